@@ -1,0 +1,1 @@
+"""pytest plugin modules of the suite, one per area; :mod:`conformance.plugin` loads them all."""

@@ -1,0 +1,7 @@
+"""The suite's pytest plugin. Loaded by the repository's root ``conftest.py``; when the suite is
+installed as a package, load it with ``pytest -p conformance.plugin``."""
+
+pytest_plugins = [
+    "conformance._plugins.tiers",
+    "conformance._plugins.backend",
+]

@@ -1,0 +1,83 @@
+"""Hardware tiers: what a machine offers, and why a tier it lacks is skipped.
+
+Tiers are pytest markers: ``cpu`` (always), ``cuda`` (any CUDA GPU), ``sm90`` (compute capability 9.0),
+``b200`` (10.0 or 10.3), ``multi_gpu`` (2+ CUDA GPUs), ``b200_4gpu`` (4+ GPUs of capability 10.0/10.3).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+TIERS = ("cpu", "cuda", "sm90", "b200", "multi_gpu", "b200_4gpu")
+TIER_DESCRIPTIONS = {
+    "cpu": "runs anywhere (CPU)",
+    "cuda": "needs any CUDA GPU",
+    "sm90": "needs an SM90 (Hopper) GPU",
+    "b200": "needs an SM100/SM103 (B200/B300) GPU",
+    "multi_gpu": "needs 2 or more CUDA GPUs",
+    "b200_4gpu": "needs 4 SM100/SM103 GPUs",
+}
+B200_CAPABILITIES = ((10, 0), (10, 3))
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    capability: tuple[int, int]
+
+    def describe(self) -> str:
+        return f"SM{self.capability[0]}{self.capability[1]} ({self.name})"
+
+
+@dataclass(frozen=True)
+class Hardware:
+    gpus: tuple[Gpu, ...] = ()
+
+    def describe(self) -> str:
+        if not self.gpus:
+            return "no CUDA GPU (CPU only)"
+        kinds: dict[str, int] = {}
+        for g in self.gpus:
+            kinds[g.describe()] = kinds.get(g.describe(), 0) + 1
+        return ", ".join(f"{n} x {k}" if n > 1 else k for k, n in kinds.items())
+
+    def count(self, capabilities=None) -> int:
+        return sum(1 for g in self.gpus if capabilities is None or g.capability in capabilities)
+
+
+@lru_cache(maxsize=1)
+def detect_hardware() -> Hardware:
+    """The GPUs torch can see (none when torch has no CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return Hardware()
+    gpus = []
+    for i in range(torch.cuda.device_count()):
+        gpus.append(Gpu(torch.cuda.get_device_name(i), tuple(torch.cuda.get_device_capability(i))))
+    return Hardware(tuple(gpus))
+
+
+def tier_skip_reason(tier: str, hw: Hardware) -> str | None:
+    """``None`` when ``hw`` offers ``tier``; otherwise a reason naming what was found, e.g.
+    ``"needs SM100/SM103, found SM90 (NVIDIA H200)"``."""
+    found = hw.describe()
+    if tier == "cpu":
+        return None
+    if tier == "cuda":
+        return None if hw.gpus else f"needs a CUDA GPU, found {found}"
+    if tier == "sm90":
+        return None if hw.count({(9, 0)}) else f"needs SM90, found {found}"
+    if tier == "b200":
+        return None if hw.count(B200_CAPABILITIES) else f"needs SM100/SM103, found {found}"
+    if tier == "multi_gpu":
+        return None if len(hw.gpus) >= 2 else f"needs 2+ CUDA GPUs, found {found}"
+    if tier == "b200_4gpu":
+        n = hw.count(B200_CAPABILITIES)
+        return None if n >= 4 else f"needs 4 SM100/SM103 GPUs, found {found}"
+    raise ValueError(f"unknown hardware tier {tier!r}; known: {', '.join(TIERS)}")
+
+
+def device_for_tier(tier: str) -> str:
+    """The torch device a case of ``tier`` runs on."""
+    return "cpu" if tier == "cpu" else "cuda"

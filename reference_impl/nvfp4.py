@@ -1,0 +1,262 @@
+"""The NVFP4 format: E2M1 codes, E4M3 block scales, nibble packing, the two quantization recipes,
+dequantization, the 128x4 scale swizzle and the fused gate/up (W13) row layouts.
+
+Everything is vectorised PyTorch and runs on whatever device its inputs live on.
+Conventions (SPEC.md section 1):
+
+* E2M1 code: bit 3 = sign, bits 0-2 index ``E2M1_MAGNITUDES``. Encoding rounds to nearest, ties to the
+  even code, and saturates (|x| > 6 -> 6). NaN encodes as +6 (code 7), as the hardware's
+  ``cvt.rn.satfinite.e2m1`` does.
+* Packing: two codes per byte along K, element 2i in the low nibble.
+* Block scale: one ``float8_e4m3fn`` per 16 consecutive K elements, linear layout ``[N, K/16]``.
+* Global scale: the *decode* scale ``weight_scale_2`` (``w = e2m1 * e4m3 * weight_scale_2``, ModelOpt) or the
+  *encode* scale ``global_sf = 448 * 6 / amax`` (FlashInfer). :func:`decode_to_encode_scale` converts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BLOCK_SIZE = 16
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+FLOAT32_MAX = torch.finfo(torch.float32).max
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# Midpoints between consecutive magnitudes; a value exactly on midpoint k rounds to the even code of k, k+1.
+_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_TIE_ROUNDS_UP = (False, True, False, True, False, True, False)  # True where code k+1 is even
+
+SWIZZLE_ROWS = 128
+SWIZZLE_COLS = 4
+
+
+def _table(values, device, dtype=torch.float32) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+# ----------------------------------------------------------------------------------------- E2M1
+def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
+    """Round ``x`` to E2M1 codes (uint8, 0..15): nearest, ties to even code, saturating; NaN -> +6."""
+    xf = x.float()
+    mag = xf.abs()
+    mids = _table(_E2M1_MIDPOINTS, xf.device)
+    below = torch.bucketize(mag, mids, right=False)  # midpoints strictly below |x|
+    on_mid = mag.unsqueeze(-1) == mids
+    tie_up = (on_mid & _table(_TIE_ROUNDS_UP, xf.device, torch.bool)).any(-1)
+    code = (below + tie_up.to(below.dtype)).clamp_(max=7).to(torch.uint8)
+    sign = torch.signbit(xf).to(torch.uint8) << 3
+    code = code | sign
+    return torch.where(torch.isnan(xf), torch.full_like(code, 7), code)
+
+
+def e2m1_decode(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """E2M1 codes (any integer dtype, 0..15) to values; code 8 is -0."""
+    c = codes.to(torch.int64)
+    mag = _table(E2M1_MAGNITUDES, codes.device, dtype)[c & 7]
+    return torch.where((c & 8) != 0, -mag, mag)
+
+
+# ----------------------------------------------------------------------------------------- E4M3
+def e4m3_encode(x: torch.Tensor) -> torch.Tensor:
+    """Round to ``float8_e4m3fn``: nearest-even, saturating at +-448 (no inf in the format); NaN stays NaN."""
+    xf = x.float()
+    return xf.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def e4m3_decode(scales: torch.Tensor) -> torch.Tensor:
+    """``float8_e4m3fn`` (or its raw uint8 bytes) to float32."""
+    if scales.dtype == torch.uint8:
+        scales = scales.view(torch.float8_e4m3fn)
+    return scales.float()
+
+
+# ----------------------------------------------------------------------------------------- packing
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """``[..., K]`` codes -> ``[..., K/2]`` bytes, element 2i in the low nibble."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"cannot pack an odd number of codes along K ({codes.shape[-1]})")
+    c = codes.to(torch.uint8)
+    return c[..., 0::2] | (c[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """``[..., K/2]`` bytes -> ``[..., K]`` codes (uint8)."""
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"packed NVFP4 data must be uint8, got {packed.dtype}")
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
+
+
+# ----------------------------------------------------------------------------------------- recipes
+@dataclass(frozen=True)
+class NVFP4Weight:
+    """An NVFP4 tensor in checkpoint form: packed codes ``[N, K/2]`` uint8, linear block scales
+    ``[N, K/16]`` float8_e4m3fn, and the decode global scale ``weight_scale_2`` (fp32 0-d tensor)."""
+
+    packed: torch.Tensor
+    block_scale: torch.Tensor
+    weight_scale_2: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.packed.shape[0], self.packed.shape[1] * 2
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize(self.packed, self.block_scale, self.weight_scale_2, dtype)
+
+
+def _blocks(x: torch.Tensor) -> torch.Tensor:
+    if x.dim() < 1 or x.shape[-1] % BLOCK_SIZE:
+        raise ValueError(f"K = {x.shape[-1] if x.dim() else None} is not a multiple of {BLOCK_SIZE}")
+    return x.float().reshape(*x.shape[:-1], x.shape[-1] // BLOCK_SIZE, BLOCK_SIZE)
+
+
+def _block_amax(xb: torch.Tensor) -> torch.Tensor:
+    # NaN elements are ignored by the amax, as the kernels' max.f32 tree does.
+    return torch.nan_to_num(xb.abs(), nan=0.0).amax(dim=-1)
+
+
+def decode_scale_from_amax(amax: torch.Tensor | float) -> torch.Tensor:
+    """ModelOpt's ``weight_scale_2 = amax / (6 * 448)`` as fp32."""
+    return torch.as_tensor(amax, dtype=torch.float32) / (E2M1_MAX * E4M3_MAX)
+
+
+def decode_to_encode_scale(weight_scale_2: torch.Tensor | float) -> torch.Tensor:
+    """FlashInfer's ``global_sf`` from ModelOpt's ``weight_scale_2`` (their reciprocal)."""
+    return 1.0 / torch.as_tensor(weight_scale_2, dtype=torch.float32)
+
+
+def quantize_modelopt(w: torch.Tensor, weight_scale_2: torch.Tensor | float | None = None) -> NVFP4Weight:
+    """ModelOpt weight recipe (SPEC 1): ``weight_scale_2 = amax / (6*448)``,
+    ``sf = e4m3(amax_block / 6 / weight_scale_2)``, ``q = e2m1(x / (sf * weight_scale_2))``.
+    An all-zero block gets scale 0 and codes 0. All arithmetic in fp32, in that operation order."""
+    if w.dim() != 2:
+        raise ValueError(f"expected a 2-D weight [N, K], got shape {tuple(w.shape)}")
+    xb = _blocks(w)
+    if weight_scale_2 is None:
+        weight_scale_2 = decode_scale_from_amax(torch.nan_to_num(w.float().abs(), nan=0.0).amax())
+    ws2 = torch.as_tensor(weight_scale_2, dtype=torch.float32, device=w.device).reshape(())
+    sf = e4m3_encode(_block_amax(xb) / E2M1_MAX / ws2)
+    denom = sf.float().unsqueeze(-1) * ws2
+    scaled = torch.where(denom == 0, torch.zeros_like(xb), xb / denom)
+    codes = e2m1_encode(scaled).reshape(w.shape)
+    return NVFP4Weight(pack_nibbles(codes), sf, ws2.clone())
+
+
+def quantize_kernel(x: torch.Tensor, global_sf: torch.Tensor | float) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashInfer/TransformerEngine kernel recipe (SPEC 1), in the kernel's operation order:
+    ``sf = e4m3(amax * (global_sf * (1/6)))``, ``inv = min(1 / (sf * (1/global_sf)), FLT_MAX)``,
+    ``q = e2m1(x * inv)``. Returns (packed ``[.., K/2]`` uint8, linear scales ``[.., K/16]`` e4m3)."""
+    xb = _blocks(x)
+    gs = torch.as_tensor(global_sf, dtype=torch.float32, device=x.device).reshape(())
+    sixth = torch.tensor(1.0 / 6.0, dtype=torch.float32, device=x.device)
+    sf = e4m3_encode(_block_amax(xb) * (gs * sixth))
+    inv = torch.clamp(1.0 / (sf.float() * (1.0 / gs)), max=FLOAT32_MAX)
+    codes = e2m1_encode(xb * inv.unsqueeze(-1)).reshape(x.shape)
+    return pack_nibbles(codes), sf
+
+
+def dequantize(
+    packed: torch.Tensor,
+    block_scale: torch.Tensor,
+    weight_scale_2: torch.Tensor | float,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``e2m1 * e4m3 * weight_scale_2`` from packed codes and *linear* block scales.
+    ``e2m1 * e4m3`` is exact in fp32 (and in bf16: at most 5 significant bits); the product with
+    ``weight_scale_2`` is one fp32 rounding, then one cast to ``dtype``."""
+    codes = unpack_nibbles(packed)
+    n, k = codes.shape[-2], codes.shape[-1]
+    if block_scale.shape[-2:] != (n, k // BLOCK_SIZE):
+        raise ValueError(
+            f"block scale shape {tuple(block_scale.shape)} does not match packed weight {tuple(packed.shape)} "
+            f"(expected [..., {n}, {k // BLOCK_SIZE}])"
+        )
+    values = e2m1_decode(codes) * e4m3_decode(block_scale).repeat_interleave(BLOCK_SIZE, dim=-1)
+    ws2 = torch.as_tensor(weight_scale_2, dtype=torch.float32, device=packed.device)
+    if ws2.dim() == 1 and codes.dim() == 3:  # per-expert scales
+        ws2 = ws2.view(-1, 1, 1)
+    return (values * ws2).to(dtype)
+
+
+# ----------------------------------------------------------------------------------------- 128x4 swizzle
+def _ceil_to(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def swizzled_shape(rows: int, scale_cols: int) -> tuple[int, int]:
+    """Padded shape of a 128x4-swizzled scale tensor: rows to 128, scale columns to 4."""
+    return _ceil_to(rows, SWIZZLE_ROWS), _ceil_to(scale_cols, SWIZZLE_COLS)
+
+
+def swizzle_offsets(rows: int, scale_cols: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Byte offset of logical scale (n, k) in the 128x4 layout, ``[rows, scale_cols]`` int64:
+    ``((n//128)*ceil(K_sf/4) + k//4)*512 + (n%32)*16 + ((n%128)//32)*4 + k%4``."""
+    n = torch.arange(rows, device=device).view(-1, 1)
+    k = torch.arange(scale_cols, device=device).view(1, -1)
+    col_tiles = _ceil_to(scale_cols, SWIZZLE_COLS) // SWIZZLE_COLS
+    return ((n // 128) * col_tiles + k // 4) * 512 + (n % 32) * 16 + ((n % 128) // 32) * 4 + k % 4
+
+
+def swizzle_128x4(scales: torch.Tensor) -> torch.Tensor:
+    """Linear ``[..., N, K/16]`` scales -> 128x4 swizzled ``[..., ceil128(N), ceil4(K/16)]``, zero padded.
+    Same dtype as the input (uint8 bytes or float8_e4m3fn); leading dims (experts) are kept."""
+    *lead, rows, cols = scales.shape
+    raw = scales.view(torch.uint8) if scales.dtype != torch.uint8 else scales
+    pr, pc = swizzled_shape(rows, cols)
+    out = torch.zeros(*lead, pr * pc, dtype=torch.uint8, device=scales.device)
+    idx = swizzle_offsets(rows, cols, scales.device).reshape(-1)
+    out[..., idx] = raw.reshape(*lead, rows * cols)
+    return out.view(*lead, pr, pc).view(scales.dtype)
+
+
+def unswizzle_128x4(swizzled: torch.Tensor, rows: int, scale_cols: int) -> torch.Tensor:
+    """Inverse of :func:`swizzle_128x4`: the logical ``[..., rows, scale_cols]`` scales (padding dropped)."""
+    pr, pc = swizzled_shape(rows, scale_cols)
+    *lead, r, c = swizzled.shape
+    if r * c != pr * pc:
+        raise ValueError(f"swizzled scales hold {r * c} bytes per matrix, expected {pr}x{pc} for {rows}x{scale_cols}")
+    raw = swizzled.view(torch.uint8) if swizzled.dtype != torch.uint8 else swizzled
+    idx = swizzle_offsets(rows, scale_cols, swizzled.device).reshape(-1)
+    return raw.reshape(*lead, pr * pc)[..., idx].view(*lead, rows, scale_cols).view(swizzled.dtype)
+
+
+# ----------------------------------------------------------------------------------------- W13 layouts
+W13_CHUNK_ROWS = 64
+
+
+def deinterleave_gate_up(w13: torch.Tensor) -> torch.Tensor:
+    """Row-interleaved ``[g0, u0, g1, u1, ...]`` -> halves ``[gate; up]`` (rows are dim -2)."""
+    return torch.cat((w13[..., 0::2, :], w13[..., 1::2, :]), dim=-2)
+
+
+def interleave_gate_up(w13: torch.Tensor) -> torch.Tensor:
+    """Halves ``[gate; up]`` -> row-interleaved ``[g0, u0, g1, u1, ...]``."""
+    half = w13.shape[-2] // 2
+    gate, up = w13[..., :half, :], w13[..., half:, :]
+    return torch.stack((gate, up), dim=-2).flatten(-3, -2)
+
+
+def to_cutedsl_w13(w13: torch.Tensor, chunk_rows: int = W13_CHUNK_ROWS) -> torch.Tensor:
+    """Halves ``[gate; up]`` -> the CuTe DSL MoE order: ``[up; gate]`` interleaved in ``chunk_rows`` chunks
+    (up[0:64], gate[0:64], up[64:128], gate[64:128], ...). Works for weights and linear scales."""
+    half = w13.shape[-2] // 2
+    if half % chunk_rows:
+        raise ValueError(f"intermediate size {half} is not a multiple of {chunk_rows}")
+    gate, up = w13[..., :half, :], w13[..., half:, :]
+    lead, cols = w13.shape[:-2], w13.shape[-1]
+    chunks = torch.stack(
+        (up.reshape(*lead, half // chunk_rows, chunk_rows, cols), gate.reshape(*lead, half // chunk_rows, chunk_rows, cols)),
+        dim=-3,
+    )
+    return chunks.reshape(*lead, 2 * half, cols)
+
+
+def from_cutedsl_w13(w13: torch.Tensor, chunk_rows: int = W13_CHUNK_ROWS) -> torch.Tensor:
+    """Inverse of :func:`to_cutedsl_w13`: back to halves ``[gate; up]``."""
+    half = w13.shape[-2] // 2
+    lead, cols = w13.shape[:-2], w13.shape[-1]
+    chunks = w13.reshape(*lead, half // chunk_rows, 2, chunk_rows, cols)
+    up = chunks[..., 0, :, :].reshape(*lead, half, cols)
+    gate = chunks[..., 1, :, :].reshape(*lead, half, cols)
+    return torch.cat((gate, up), dim=-2)
