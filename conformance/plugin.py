@@ -4,4 +4,5 @@ installed as a package, load it with ``pytest -p conformance.plugin``."""
 pytest_plugins = [
     "conformance._plugins.tiers",
     "conformance._plugins.backend",
+    "conformance._plugins.snapshots",
 ]
