@@ -1,0 +1,48 @@
+"""Dense W4A16 conformance: the backend under test (``--backend``) against the exact value and its derived
+bound. Cases are data (:mod:`conformance.dense_cases`); checks live in :mod:`conformance.checks_dense`."""
+from __future__ import annotations
+
+import pytest
+
+from conformance.adapter import Backend
+from conformance.cases import as_params
+from conformance.checks_dense import (
+    check_deterministic,
+    check_nonfinite_policy,
+    check_output_dtype_and_shape,
+    check_summary_figures,
+    check_within_error_bound,
+    run_dense_case,
+)
+from conformance.dense_cases import DENSE_CASES, NONFINITE_CASES, DenseCase
+
+
+def _run(backend: Backend, case: DenseCase):
+    reason = backend.skip_reason(case.info())
+    if reason:
+        pytest.skip(reason)
+    return run_dense_case(backend, case)
+
+
+@pytest.mark.parametrize("case", as_params(DENSE_CASES))
+def test_dense_matches_reference(backend: Backend, case: DenseCase, record_property) -> None:
+    run = _run(backend, case)
+    figures = check_within_error_bound(run)
+    for name, value in figures.properties().items():
+        record_property(name, value)
+    check_summary_figures(figures, run)
+
+
+@pytest.mark.parametrize("case", as_params(DENSE_CASES))
+def test_dense_output_dtype_and_shape(backend: Backend, case: DenseCase) -> None:
+    check_output_dtype_and_shape(_run(backend, case))
+
+
+@pytest.mark.parametrize("case", as_params(DENSE_CASES))
+def test_dense_deterministic(backend: Backend, case: DenseCase) -> None:
+    check_deterministic(_run(backend, case), backend)
+
+
+@pytest.mark.parametrize("case", as_params(NONFINITE_CASES))
+def test_dense_nonfinite_policy(backend: Backend, case: DenseCase) -> None:
+    check_nonfinite_policy(_run(backend, case))
