@@ -5,4 +5,6 @@ pytest_plugins = [
     "conformance._plugins.tiers",
     "conformance._plugins.backend",
     "conformance._plugins.snapshots",
+    "conformance._plugins.expectations",
+    "conformance._plugins.report",
 ]
