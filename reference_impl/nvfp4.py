@@ -255,6 +255,8 @@ def to_cutedsl_w13(w13: torch.Tensor, chunk_rows: int = W13_CHUNK_ROWS) -> torch
 def from_cutedsl_w13(w13: torch.Tensor, chunk_rows: int = W13_CHUNK_ROWS) -> torch.Tensor:
     """Inverse of :func:`to_cutedsl_w13`: back to halves ``[gate; up]``."""
     half = w13.shape[-2] // 2
+    if half % chunk_rows or w13.shape[-2] % 2:
+        raise ValueError(f"intermediate size {w13.shape[-2] / 2:g} is not a multiple of {chunk_rows}")
     lead, cols = w13.shape[:-2], w13.shape[-1]
     chunks = w13.reshape(*lead, half // chunk_rows, 2, chunk_rows, cols)
     up = chunks[..., 0, :, :].reshape(*lead, half, cols)

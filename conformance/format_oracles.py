@@ -1,0 +1,174 @@
+"""Independent oracles for the NVFP4 format: what the reference (``reference_impl.nvfp4``) is checked against.
+
+Nothing here calls the reference. Each oracle is the format's definition written another way:
+
+* bit-field decoders: value = sign * 2^(exponent - bias) * (1 + mantissa / 2^m) (subnormal when exponent == 0);
+* rounding by ``ml_dtypes`` (an unrelated C++ implementation of ``float4_e2m1fn``/``float8_e4m3fn``), with the two
+  policies where the NVFP4 hardware convention differs from ml_dtypes applied explicitly:
+  E4M3 ``satfinite`` (clip to +-448 first; ml_dtypes turns |x| >= 464 into NaN) and E2M1 NaN -> +6 (code 7;
+  ml_dtypes gives code 8);
+* the ModelOpt weight recipe as a numpy float32 program, using the ml_dtypes conversions;
+* the 128x4 swizzle as a reshape/permute of the padded scale matrix (the "tile of 32x4x4" picture), not the
+  offset formula;
+* :func:`compare_bits`, the one comparison every oracle test uses, so a mutant test can show it reports a mismatch.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+import torch
+
+E2M1_BIAS, E2M1_MANTISSA_BITS = 1, 1
+E4M3_BIAS, E4M3_MANTISSA_BITS = 7, 3
+
+
+# ----------------------------------------------------------------------------------------- bit fields
+def e2m1_value_from_fields(code: int) -> float:
+    """E2M1 (1 sign, 2 exponent, 1 mantissa bit, bias 1, no inf/NaN) from its bit fields."""
+    if not 0 <= code <= 15:
+        raise ValueError(f"E2M1 code must be 0..15, got {code}")
+    sign = -1.0 if code & 0b1000 else 1.0
+    exponent = (code >> 1) & 0b11
+    mantissa = code & 0b1
+    if exponent == 0:  # subnormal: 2^(1-bias) * m/2
+        magnitude = math.ldexp(mantissa / 2, 1 - E2M1_BIAS)
+    else:
+        magnitude = math.ldexp(1 + mantissa / 2, exponent - E2M1_BIAS)
+    return math.copysign(magnitude, sign)
+
+
+def e4m3_value_from_fields(byte: int) -> float:
+    """float8_e4m3fn (1 sign, 4 exponent, 3 mantissa bits, bias 7) from its bit fields. Only S.1111.111 is NaN;
+    there is no infinity, so S.1111.110 = 448 is the largest finite magnitude."""
+    if not 0 <= byte <= 255:
+        raise ValueError(f"E4M3 byte must be 0..255, got {byte}")
+    sign = -1.0 if byte & 0x80 else 1.0
+    exponent = (byte >> 3) & 0b1111
+    mantissa = byte & 0b111
+    if exponent == 0b1111 and mantissa == 0b111:
+        return math.nan
+    if exponent == 0:  # subnormal: 2^(1-bias) * m/8
+        magnitude = math.ldexp(mantissa / 8, 1 - E4M3_BIAS)
+    else:
+        magnitude = math.ldexp(1 + mantissa / 8, exponent - E4M3_BIAS)
+    return math.copysign(magnitude, sign)
+
+
+# ----------------------------------------------------------------------------------------- ml_dtypes rounding
+def e2m1_codes_ml_dtypes(x: np.ndarray) -> np.ndarray:
+    """E2M1 codes of float32 ``x`` by ml_dtypes (RNE, saturating), NaN -> code 7 (the hardware's +6)."""
+    x = np.asarray(x, dtype=np.float32)
+    codes = x.astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0xF
+    return np.where(np.isnan(x), np.uint8(7), codes).astype(np.uint8)
+
+
+def e4m3_bytes_ml_dtypes(x: np.ndarray) -> np.ndarray:
+    """float8_e4m3fn bytes of float32 ``x`` by ml_dtypes after the satfinite clip to +-448 (NaN stays NaN)."""
+    x = np.asarray(x, dtype=np.float32)
+    return np.clip(x, -448.0, 448.0).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+
+
+def e4m3_values_ml_dtypes(x: np.ndarray) -> np.ndarray:
+    return e4m3_bytes_ml_dtypes(x).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+
+
+def pack_codes_numpy(codes: np.ndarray) -> np.ndarray:
+    """Two codes per byte along the last axis, element 2i in the low nibble."""
+    codes = codes.astype(np.uint8)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+
+
+@dataclass(frozen=True)
+class ModelOptOracle:
+    packed: np.ndarray  # [N, K/2] uint8
+    scale_bytes: np.ndarray  # [N, K/16] uint8 (float8_e4m3fn bytes)
+    weight_scale_2: np.float32
+
+
+def modelopt_recipe_numpy(w: np.ndarray, weight_scale_2: float | None = None) -> ModelOptOracle:
+    """SPEC 1, ModelOpt weight recipe, as a float32 numpy program (every operation one IEEE float32 rounding):
+    ``ws2 = amax / 2688`` (6 * 448 = 2688 exactly), ``sf = e4m3(block_amax / 6 / ws2)``,
+    ``q = e2m1(x / (sf * ws2))``; an all-zero block (sf = 0) gets codes 0."""
+    w = np.asarray(w, dtype=np.float32)
+    n, k = w.shape
+    blocks = w.reshape(n, k // 16, 16)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        if weight_scale_2 is None:
+            ws2 = np.float32(np.nanmax(np.abs(w))) / np.float32(2688.0)
+        else:
+            ws2 = np.float32(weight_scale_2)
+        block_amax = np.nanmax(np.abs(blocks), axis=-1).astype(np.float32)
+        sf_bytes = e4m3_bytes_ml_dtypes(block_amax / np.float32(6.0) / ws2)
+        sf = sf_bytes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+        denom = (sf * ws2)[..., None]
+        scaled = np.where(denom == 0, np.float32(0.0), blocks / denom).astype(np.float32)
+    codes = e2m1_codes_ml_dtypes(scaled).reshape(n, k)
+    return ModelOptOracle(pack_codes_numpy(codes), sf_bytes, np.float32(ws2))
+
+
+# ----------------------------------------------------------------------------------------- 128x4 swizzle
+def swizzle_by_tiles(scale_bytes: torch.Tensor) -> torch.Tensor:
+    """The 128x4 layout pictured as tiles: pad ``[R, C]`` with zeros to ``[128*RT, 4*CT]``; each 128x4 tile is
+    512 contiguous bytes, tiles in row-major tile order; inside a tile, row r = 32*j + i and column c are at
+    ``i*16 + j*4 + c`` (i.e. the tile is stored as [32, 4(j), 4(c)])."""
+    rows, cols = scale_bytes.shape
+    rt, ct = -(-rows // 128), -(-cols // 4)
+    padded = torch.zeros(rt * 128, ct * 4, dtype=torch.uint8)
+    padded[:rows, :cols] = scale_bytes.view(torch.uint8).cpu()
+    tiles = padded.view(rt, 4, 32, ct, 4)  # row = tile_row*128 + j*32 + i, col = tile_col*4 + c
+    return tiles.permute(0, 3, 2, 1, 4).reshape(rt * 128, ct * 4)
+
+
+def swizzle_offset_spec(n: int, k: int, scale_cols: int) -> int:
+    """SPEC.md section 1's byte offset of logical scale (n, k), as scalar integer arithmetic."""
+    col_tiles = -(-scale_cols // 4)
+    return ((n // 128) * col_tiles + k // 4) * 512 + (n % 32) * 16 + ((n % 128) // 32) * 4 + k % 4
+
+
+# ----------------------------------------------------------------------------------------- comparison
+@dataclass(frozen=True)
+class Mismatch:
+    what: str
+    count: int
+    total: int
+    first_index: tuple[int, ...]
+    got: int
+    want: int
+
+    def __str__(self) -> str:
+        return (
+            f"{self.what}: {self.count} of {self.total} differ; first at {self.first_index}: "
+            f"got 0x{self.got:02x}, want 0x{self.want:02x}"
+        )
+
+
+def compare_bits(what: str, got, want) -> Mismatch | None:
+    """Bit-for-bit comparison of two integer (code or byte) arrays; ``None`` when identical.
+    Float8 tensors are compared by their bytes. Shapes must agree (a shape difference is a mismatch too)."""
+    g, w = _as_uint_numpy(got), _as_uint_numpy(want)
+    if g.shape != w.shape:
+        return Mismatch(f"{what} (shape {g.shape} vs {w.shape})", max(g.size, w.size), max(g.size, w.size), (), 0, 0)
+    diff = g != w
+    if not diff.any():
+        return None
+    first = tuple(int(i) for i in np.argwhere(diff)[0])
+    return Mismatch(what, int(diff.sum()), int(diff.size), first, int(g[first]), int(w[first]))
+
+
+def _as_uint_numpy(a) -> np.ndarray:
+    if isinstance(a, torch.Tensor):
+        t = a.detach().cpu()
+        if t.dtype in (torch.float8_e4m3fn, torch.bool):
+            t = t.view(torch.uint8) if t.dtype != torch.bool else t.to(torch.uint8)
+        if t.is_floating_point():
+            raise TypeError(f"compare_bits compares codes/bytes, got a {t.dtype} tensor")
+        return t.numpy().astype(np.int64)
+    arr = np.asarray(a)
+    if arr.dtype == ml_dtypes.float8_e4m3fn:
+        arr = arr.view(np.uint8)
+    if arr.dtype.kind == "f":
+        raise TypeError(f"compare_bits compares codes/bytes, got a {arr.dtype} array")
+    return arr.astype(np.int64)
