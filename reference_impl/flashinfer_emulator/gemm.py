@@ -15,7 +15,6 @@ from typing import Optional
 import torch
 
 from ..dense import w4a16_linear
-from ..nvfp4 import BLOCK_SIZE, e2m1_decode, e4m3_decode, unpack_nibbles
 from ._device import BackendSupportedError, current_capability, current_major_minor, uses_sm100_layout
 from .layouts import convert_sf_from_mma_layout, convert_sf_to_mma_layout, linear_scales_from_swizzled_bytes
 
@@ -189,12 +188,17 @@ def mm_bf16_fp4(
         if backend not in _BF16_FP4_CCS or cc not in _BF16_FP4_CCS[backend]:
             raise BackendSupportedError(f"mm_bf16_fp4 does not support backend '{backend}' with capability {cc}")
         _check_mm_bf16_fp4_problem_size(a, b, b_descale, alpha, out_dtype, block_size)
-        if backend in ("cudnn", "cute-dsl"):
-            expected = torch.uint8 if (backend == "cudnn" or uses_sm100_layout()) else torch.int32
+        if backend == "cudnn" and b.dtype != torch.uint8:  # _cudnn_bf16_fp4_requirement
+            raise ValueError(
+                "cudnn bf16 x fp4 expects the uint8 prepared weight from "
+                f"prepare_bf16_fp4_weights(..., backend='cudnn'); got {b.dtype}."
+            )
+        if backend == "cute-dsl":  # _cute_dsl_bf16_fp4_requirement
+            expected = torch.uint8 if uses_sm100_layout() else torch.int32
             if b.dtype != expected:
                 raise ValueError(
-                    f"{backend} bf16 x fp4 expects the {expected} prepared weight from "
-                    f"prepare_bf16_fp4_weights(..., backend='{backend}'); got {b.dtype}."
+                    f"cute-dsl bf16 x fp4 on SM{cc} expects the {expected} weight returned by "
+                    f"prepare_bf16_fp4_weights(..., backend='cute-dsl'); got {b.dtype}."
                 )
         elif backend in ("blackwell-native", "blackwell-tiled"):
             _validate_blackwell(a, b, b_descale, alpha, out_dtype or a.dtype, out, block_size, backend)
