@@ -1,0 +1,346 @@
+"""A tiny decoder-only transformer (Llama or Qwen3-MoE architecture) whose linear layers run the reference
+W4A16 math, for the server scenarios (SPEC.md section 6).
+
+Precision conventions follow the Hugging Face implementations the fixtures are checked against: RMSNorm
+statistics, rotary angles, attention softmax and the MoE router softmax are computed in fp32; everything
+else in ``act_dtype``. Two modes:
+
+* ``act_dtype=torch.bfloat16`` (serving): BF16 activations between operations; each linear is the math of
+  :func:`reference_impl.dense.w4a16_linear` accumulated in fp64 and rounded to BF16 once, after any
+  tensor-parallel reduction (also done in fp64). With fp64 accumulation the BF16 result does not depend on
+  summation order in practice, so the output is independent of batch composition and of the TP split.
+* ``act_dtype=torch.float64`` (exact): no BF16 rounding at all; used to compare with ``transformers``.
+
+Weights are sharded for tensor / expert parallelism by :func:`shard_weights` (see ``Layout``); the
+collectives come from a ``Comm`` object so the model itself stays single-process code.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .checkpoint import Checkpoint, CheckpointError, QuantConfig, TensorSpec, check_tensors, linear_specs
+from .nvfp4 import BLOCK_SIZE, e2m1_decode, e4m3_decode, unpack_nibbles
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3_moe"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rope_theta: float
+    rms_norm_eps: float
+    num_experts: int = 0
+    top_k: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    eos_token_id: int | None = None
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+        if arch is None:
+            raise CheckpointError(f"config.json: architectures {archs} not supported (supported: {sorted(ARCHITECTURES)})")
+        try:
+            heads = cfg["num_attention_heads"]
+            common = dict(
+                arch=arch, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+                num_layers=cfg["num_hidden_layers"], num_heads=heads,
+                num_kv_heads=cfg.get("num_key_value_heads", heads),
+                head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+                intermediate_size=cfg.get("intermediate_size", 0),
+                rope_theta=float((cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0))),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                eos_token_id=cfg.get("eos_token_id"),
+            )
+            if arch == "qwen3_moe":
+                if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
+                    raise CheckpointError("config.json: only all-MoE Qwen3-MoE models (decoder_sparse_step 1) are supported")
+                common.update(num_experts=cfg.get("num_experts") or cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
+                              moe_intermediate_size=cfg["moe_intermediate_size"],
+                              norm_topk_prob=bool(cfg.get("norm_topk_prob", True)))
+        except KeyError as exc:
+            raise CheckpointError(f"config.json: missing key {exc.args[0]!r}") from exc
+        if cfg.get("tie_word_embeddings"):
+            raise CheckpointError("config.json: tied word embeddings are not supported by the reference model")
+        return cls(**common)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which slice of the model this rank holds. Attention and dense MLPs are tensor-parallel over
+    ``attn_size`` ranks; MoE experts are split over ``ep_size`` ranks (contiguous ranges) and each expert's
+    intermediate dimension over ``moe_tp_size`` ranks."""
+
+    attn_rank: int = 0
+    attn_size: int = 1
+    ep_rank: int = 0
+    ep_size: int = 1
+    moe_tp_rank: int = 0
+    moe_tp_size: int = 1
+
+
+def _split(total: int, parts: int, rank: int, what: str, unit: int = 1) -> slice:
+    if total % parts or (total // parts) % unit:
+        raise CheckpointError(f"{what} = {total} cannot be split into {parts} parts of a multiple of {unit}")
+    size = total // parts
+    return slice(rank * size, (rank + 1) * size)
+
+
+def _linear_names(cfg: ModelConfig) -> list[tuple[str, int, int]]:
+    """(prefix, out_features, in_features) of every linear that may be quantized."""
+    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    out = []
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}"
+        out += [(f"{p}.self_attn.q_proj", q, h), (f"{p}.self_attn.k_proj", kv, h),
+                (f"{p}.self_attn.v_proj", kv, h), (f"{p}.self_attn.o_proj", h, q)]
+        if cfg.arch == "llama":
+            out += [(f"{p}.mlp.{n}_proj", cfg.intermediate_size, h) for n in ("gate", "up")]
+            out.append((f"{p}.mlp.down_proj", h, cfg.intermediate_size))
+        else:
+            for e in range(cfg.num_experts):
+                pe = f"{p}.mlp.experts.{e}"
+                out += [(f"{pe}.gate_proj", cfg.moe_intermediate_size, h), (f"{pe}.up_proj", cfg.moe_intermediate_size, h),
+                        (f"{pe}.down_proj", h, cfg.moe_intermediate_size)]
+    return out
+
+
+def checkpoint_specs(cfg: ModelConfig, quant: QuantConfig) -> list[TensorSpec]:
+    """Every tensor a checkpoint of ``cfg`` must hold, with dtype and shape."""
+    bf16, h = torch.bfloat16, cfg.hidden_size
+    specs = [TensorSpec("model.embed_tokens.weight", bf16, (cfg.vocab_size, h)),
+             TensorSpec("model.norm.weight", bf16, (h,)), TensorSpec("lm_head.weight", bf16, (cfg.vocab_size, h))]
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}"
+        specs += [TensorSpec(f"{p}.input_layernorm.weight", bf16, (h,)),
+                  TensorSpec(f"{p}.post_attention_layernorm.weight", bf16, (h,))]
+        if cfg.arch == "qwen3_moe":
+            specs += [TensorSpec(f"{p}.self_attn.q_norm.weight", bf16, (cfg.head_dim,)),
+                      TensorSpec(f"{p}.self_attn.k_norm.weight", bf16, (cfg.head_dim,)),
+                      TensorSpec(f"{p}.mlp.gate.weight", bf16, (cfg.num_experts, h))]
+    for prefix, n, k in _linear_names(cfg):
+        specs += linear_specs(prefix, n, k, quant)
+    return specs
+
+
+def validate_checkpoint(ckpt: Checkpoint) -> ModelConfig:
+    """The model config of ``ckpt`` after checking every tensor it needs (clear error otherwise)."""
+    cfg = ModelConfig.from_hf(ckpt.hf_config)
+    check_tensors(ckpt.tensors, checkpoint_specs(cfg, ckpt.quant), source=ckpt.path)
+    return cfg
+
+
+def _slice_linear(t: dict, prefix: str, rows: slice | None, cols: slice | None) -> dict[str, torch.Tensor]:
+    """The [rows, cols] block of linear ``prefix`` (cols in unpacked K units, multiples of 16)."""
+    w = t[f"{prefix}.weight"]
+    out: dict[str, torch.Tensor] = {}
+    if w.dtype != torch.uint8:  # excluded (unquantized) linear
+        out["weight"] = w[rows or slice(None)][:, cols or slice(None)]
+        return out
+    packed_cols = slice(cols.start // 2, cols.stop // 2) if cols else slice(None)
+    scale_cols = slice(cols.start // BLOCK_SIZE, cols.stop // BLOCK_SIZE) if cols else slice(None)
+    out["weight"] = w[rows or slice(None)][:, packed_cols]
+    out["weight_scale"] = t[f"{prefix}.weight_scale"][rows or slice(None)][:, scale_cols]
+    out["weight_scale_2"] = t[f"{prefix}.weight_scale_2"].float().reshape(())
+    pqs = t.get(f"{prefix}.pre_quant_scale")
+    if pqs is not None:
+        out["pre_quant_scale"] = pqs[cols or slice(None)]
+    return {k: v.contiguous().clone() for k, v in out.items()}
+
+
+def shard_weights(cfg: ModelConfig, tensors: dict[str, torch.Tensor], layout: Layout = Layout(),
+                  device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Flat dict ``<linear>.<field>`` / ``<param>`` of this rank's slice, on ``device``."""
+    out: dict[str, torch.Tensor] = {}
+    for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+        out[name] = tensors[name]
+    hd, a = cfg.head_dim, layout
+    q_rows = _split(cfg.num_heads, a.attn_size, a.attn_rank, "attention heads")
+    kv_rows = _split(cfg.num_kv_heads, a.attn_size, a.attn_rank, "key/value heads")
+    q_rows, kv_rows = slice(q_rows.start * hd, q_rows.stop * hd), slice(kv_rows.start * hd, kv_rows.stop * hd)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}"
+        for n in ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight",
+                  "self_attn.k_norm.weight", "mlp.gate.weight"):
+            if f"{p}.{n}" in tensors:
+                out[f"{p}.{n}"] = tensors[f"{p}.{n}"]
+        parts = {"self_attn.q_proj": (q_rows, None), "self_attn.k_proj": (kv_rows, None),
+                 "self_attn.v_proj": (kv_rows, None), "self_attn.o_proj": (None, q_rows)}
+        if cfg.arch == "llama":
+            mlp = _split(cfg.intermediate_size, a.attn_size, a.attn_rank, "intermediate_size", BLOCK_SIZE)
+            parts.update({"mlp.gate_proj": (mlp, None), "mlp.up_proj": (mlp, None), "mlp.down_proj": (None, mlp)})
+        else:
+            experts = _split(cfg.num_experts, a.ep_size, a.ep_rank, "num_experts")
+            inter = _split(cfg.moe_intermediate_size, a.moe_tp_size, a.moe_tp_rank, "moe_intermediate_size", BLOCK_SIZE)
+            for e in range(experts.start, experts.stop):
+                parts.update({f"mlp.experts.{e}.gate_proj": (inter, None), f"mlp.experts.{e}.up_proj": (inter, None),
+                              f"mlp.experts.{e}.down_proj": (None, inter)})
+        for lin, (rows, cols) in parts.items():
+            for field_name, v in _slice_linear(tensors, f"{p}.{lin}", rows, cols).items():
+                out[f"{p}.{lin}.{field_name}"] = v
+    return {k: v.to(device) for k, v in out.items()}
+
+
+class Comm:
+    """Single-process collectives (identity). The server subclasses this with torch.distributed."""
+
+    def attn_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def moe_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def moe_gather(self, x: torch.Tensor) -> tuple[torch.Tensor, slice]:
+        """All data-parallel groups' tokens and the slice that is this rank's own."""
+        return x, slice(0, x.shape[0])
+
+
+class TinyModel:
+    """Forward pass over a list of token sequences; returns each sequence's last-position logits (fp64)."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], comm: Comm | None = None,
+                 act_dtype: torch.dtype = torch.bfloat16):
+        self.cfg, self.w, self.comm, self.act = cfg, weights, comm or Comm(), act_dtype
+        self._decoded: dict[str, torch.Tensor] | None = None
+        self.local_experts = sorted({int(k.split(".")[5]) for k in weights if ".mlp.experts." in k})
+
+    # ------------------------------------------------------------------ building blocks
+    def prepare(self) -> None:
+        """Decode every NVFP4 linear's ``e2m1 * e4m3`` once (exact in fp64), as an engine prepares weights
+        after loading; call again after the weights change. ``weight_scale_2`` stays a separate factor."""
+        self._decoded = {}
+        for name, t in self.w.items():
+            if name.endswith(".weight_scale") and not name.endswith("_2"):
+                prefix = name[: -len(".weight_scale")]
+                codes = e2m1_decode(unpack_nibbles(self.w[f"{prefix}.weight"]), torch.float64)
+                self._decoded[prefix] = codes * e4m3_decode(t).double().repeat_interleave(BLOCK_SIZE, dim=-1)
+
+    def linear(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
+        """This rank's partial ``((x * pre_quant_scale) @ dequant(W)^T) * weight_scale_2`` in fp64, the
+        operation order of :func:`reference_impl.dense.w4a16_linear` with ``accum_dtype=float64`` (the
+        self-tests check they agree bit for bit); the caller reduces and rounds."""
+        if self._decoded is None:
+            self.prepare()
+        xd = x.double()
+        pqs = self.w.get(f"{prefix}.pre_quant_scale")
+        if pqs is not None:
+            xd = xd * pqs.double()
+        return (xd @ self._decoded[prefix].T) * self.w[f"{prefix}.weight_scale_2"].double()
+
+    def rms_norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
+        return self.w[name].to(self.act) * y.to(self.act)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        d = self.cfg.head_dim
+        inv_freq = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(self.act), emb.sin().to(self.act)
+
+    @staticmethod
+    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+        h = x.shape[-1] // 2
+        return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+    def attention(self, x: torch.Tensor, p: str, lengths: list[int]) -> torch.Tensor:
+        """Causal self-attention of packed sequences ``x [sum(lengths), H]`` (each from position 0)."""
+        cfg, act = self.cfg, self.act
+        t, hd = x.shape[0], cfg.head_dim
+        q = self.comm_free(self.linear(x, f"{p}.q_proj")).view(t, -1, hd)
+        k = self.comm_free(self.linear(x, f"{p}.k_proj")).view(t, -1, hd)
+        v = self.comm_free(self.linear(x, f"{p}.v_proj")).view(t, -1, hd)
+        if f"{p}.q_norm.weight" in self.w:
+            q, k = self.rms_norm(q, f"{p}.q_norm.weight"), self.rms_norm(k, f"{p}.k_norm.weight")
+        outs = []
+        for qs, ks, vs in zip(q.split(lengths), k.split(lengths), v.split(lengths)):
+            outs.append(self._attend(qs, ks, vs))
+        o = torch.cat(outs) if outs else q.new_zeros(0, q.shape[1] * hd)
+        return self.comm.attn_all_reduce(self.linear(o, f"{p}.o_proj")).to(act)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        t, hd, act = q.shape[0], q.shape[-1], self.act
+        cos, sin = self.rope(torch.arange(t, device=q.device))
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        q = q * cos + self._rotate_half(q) * sin
+        k = k * cos + self._rotate_half(k) * sin
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        scores = (torch.einsum("qhd,khd->hqk", q.double(), k.double()) * hd ** -0.5).to(act)
+        causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(act)
+        return torch.einsum("hqk,khd->qhd", probs.double(), v.double()).to(act).reshape(t, -1)
+
+    def comm_free(self, y: torch.Tensor) -> torch.Tensor:
+        """Round a column-parallel output (no reduction needed) to the activation dtype."""
+        return y.to(self.act)
+
+    def dense_mlp(self, x: torch.Tensor, p: str) -> torch.Tensor:
+        g = self.comm_free(self.linear(x, f"{p}.gate_proj"))
+        u = self.comm_free(self.linear(x, f"{p}.up_proj"))
+        h = (F.silu(g.double()) * u.double()).to(self.act)
+        return self.comm.attn_all_reduce(self.linear(h, f"{p}.down_proj")).to(self.act)
+
+    def route(self, x: torch.Tensor, p: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k expert ids and weights (softmax in fp32, renormalised over the top k when configured)."""
+        logits = (x.double() @ self.w[f"{p}.gate.weight"].double().T).to(self.act)
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.cfg.top_k, dim=-1)
+        if self.cfg.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights.to(self.act)
+
+    def moe(self, x: torch.Tensor, p: str) -> torch.Tensor:
+        """Experts owned by this rank contribute; tokens routed elsewhere contribute nothing here."""
+        xs, mine = self.comm.moe_gather(x)
+        ids, weights = self.route(xs, p)
+        out = torch.zeros(xs.shape[0], xs.shape[1], dtype=torch.float64, device=x.device)
+        for e in self.local_experts:
+            tok, slot = torch.where(ids == e)
+            if tok.numel() == 0:
+                continue
+            xe = xs[tok]
+            g = self.comm_free(self.linear(xe, f"{p}.experts.{e}.gate_proj"))
+            u = self.comm_free(self.linear(xe, f"{p}.experts.{e}.up_proj"))
+            h = (F.silu(g.double()) * u.double()).to(self.act)
+            y = self.linear(h, f"{p}.experts.{e}.down_proj")  # fp64 partial over the moe-tp slice
+            out.index_add_(0, tok, y * weights[tok, slot].double()[:, None])
+        return self.comm.moe_all_reduce(out)[mine].to(self.act)
+
+    # ------------------------------------------------------------------ forward
+    def hidden_states(self, seqs: list[torch.Tensor]) -> torch.Tensor:
+        """Final-norm hidden states ``[sum(T_i), H]`` of packed sequences (no KV cache: every prefix is
+        recomputed, so a sequence's result does not depend on what else is in the batch)."""
+        lengths = [int(s.numel()) for s in seqs]
+        emb = self.w["model.embed_tokens.weight"]
+        ids = torch.cat(seqs) if seqs else torch.zeros(0, dtype=torch.long, device=emb.device)
+        x = emb.to(self.act)[ids.to(emb.device)]
+        for i in range(self.cfg.num_layers):
+            p = f"model.layers.{i}"
+            x = x + self.attention(self.rms_norm(x, f"{p}.input_layernorm.weight"), f"{p}.self_attn", lengths)
+            h = self.rms_norm(x, f"{p}.post_attention_layernorm.weight")
+            x = x + (self.dense_mlp(h, f"{p}.mlp") if self.cfg.arch == "llama" else self.moe(h, f"{p}.mlp"))
+        return self.rms_norm(x, "model.norm.weight")
+
+    def logits(self, seqs: list[torch.Tensor]) -> torch.Tensor:
+        """Logits ``[sum(T_i), V]`` (fp64) of packed sequences."""
+        return self.hidden_states(seqs).double() @ self.w["lm_head.weight"].double().T
+
+    def last_logits(self, seqs: list[torch.Tensor]) -> torch.Tensor:
+        """Logits ``[len(seqs), V]`` (fp64) at each sequence's last position."""
+        h = self.hidden_states(seqs)
+        ends = torch.tensor([int(s.numel()) for s in seqs], device=h.device).cumsum(0) - 1
+        return h[ends].double() @ self.w["lm_head.weight"].double().T

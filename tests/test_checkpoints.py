@@ -1,0 +1,228 @@
+"""Fixture checkpoints and the reference model, checked against an independent implementation.
+
+The independent implementation is ``transformers`` (LlamaForCausalLM / Qwen3MoeForCausalLM) in float64 with
+the checkpoint's weights dequantized in float64 (``e2m1 * e4m3 * weight_scale_2``, with the AWQ
+``pre_quant_scale`` folded into the weight columns: ``(x * s) @ W^T == x @ (W * s)^T``). Our reference model
+runs in its exact (float64) mode, which keeps the same fp32 stages as transformers (RMSNorm statistics,
+rotary tables, attention and router softmax).
+
+Derived bound: the two computations differ only by float64 rounding (relative 2^-53, invisible at this
+scale) and by the fp32 roundings those differences can flip in the fp32 stages. A flip changes one value by
+at most one fp32 ulp, relative 2^-24. Along any path to a logit there are ``S`` such stages (per layer: two
+RMSNorms, rotary tables, attention softmax, q/k norms and router softmax where present; plus the final
+norm); to first order the relative perturbations of the stages add, and each passes through at most
+``GAIN`` = 4 (the largest amplification of a relative perturbation by one residual block of these
+fixtures, whose weights are drawn at 1/sqrt(fan_in) scale so blocks roughly preserve norms). Hence
+``|dlogit| <= S * GAIN * 2^-24 * max|logit|``. A layout error (nibble order, scale row, gate/up swap,
+missing AWQ scale) changes logits by O(0.1) or more, far above this bound (about 1e-5 here).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from fixtures.make_checkpoints import ALGOS, ARCHS, checkpoint_name, corrupt_tensor_name, ensure_checkpoints
+from reference_impl.checkpoint import CheckpointError, load_checkpoint, read_configs
+from reference_impl.dense import w4a16_linear
+from reference_impl.model import Layout, TinyModel, shard_weights, validate_checkpoint
+from reference_impl.nvfp4 import BLOCK_SIZE, e2m1_decode, e4m3_decode, unpack_nibbles
+
+GAIN = 4.0
+PROMPT = torch.tensor([1, 4, 53, 5, 103, 6, 119, 20, 30, 40, 50, 60, 70, 80])
+
+
+@pytest.fixture(scope="session")
+def ckpt_root():
+    return ensure_checkpoints()
+
+
+def dequant64(t: dict, prefix: str) -> torch.Tensor:
+    d = e2m1_decode(unpack_nibbles(t[f"{prefix}.weight"]), torch.float64)
+    d = d * e4m3_decode(t[f"{prefix}.weight_scale"]).double().repeat_interleave(BLOCK_SIZE, -1)
+    d = d * t[f"{prefix}.weight_scale_2"].double()
+    if f"{prefix}.pre_quant_scale" in t:
+        d = d * t[f"{prefix}.pre_quant_scale"].double()[None, :]
+    return d
+
+
+def transformers_model(ckpt):
+    """The transformers model class loaded with the float64-dequantized weights."""
+    import transformers
+
+    cfg_dict = {k: v for k, v in ckpt.hf_config.items() if k != "quantization_config"}
+    hf_cfg = transformers.AutoConfig.for_model(**cfg_dict)
+    hf_cfg._experts_implementation = "eager"  # the grouped-mm kernel has no float64 version
+    cls = transformers.LlamaForCausalLM if hf_cfg.model_type == "llama" else transformers.Qwen3MoeForCausalLM
+    model = cls(hf_cfg).double().eval()
+    t, sd = ckpt.tensors, {}
+    for k, v in t.items():
+        if k.endswith("_proj.weight") and v.dtype == torch.uint8:
+            sd[k] = dequant64(t, k[: -len(".weight")])
+        elif k.endswith(".weight"):
+            sd[k] = v.double()
+    for i in range(hf_cfg.num_hidden_layers):
+        p = f"model.layers.{i}.mlp.experts"
+        if f"{p}.0.gate_proj.weight" in sd:  # transformers 5 stores experts as fused 3-D parameters
+            n = hf_cfg.num_experts
+            sd[f"{p}.gate_up_proj"] = torch.stack(
+                [torch.cat([sd.pop(f"{p}.{e}.gate_proj.weight"), sd.pop(f"{p}.{e}.up_proj.weight")]) for e in range(n)])
+            sd[f"{p}.down_proj"] = torch.stack([sd.pop(f"{p}.{e}.down_proj.weight") for e in range(n)])
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    assert not missing and not unexpected, f"state dict mismatch: missing {missing}, unexpected {unexpected}"
+    return model
+
+
+def fp32_stages(cfg) -> int:
+    per_layer = 4 + (3 if cfg.arch == "qwen3_moe" else 0)  # 2 norms, rope, softmax (+ q/k norm, router)
+    return per_layer * cfg.num_layers + 1
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("algo", ALGOS)
+def test_reference_model_matches_transformers(ckpt_root, arch, algo):
+    ckpt = load_checkpoint(ckpt_root / checkpoint_name(arch, algo, "a"))
+    cfg = validate_checkpoint(ckpt)
+    ours = TinyModel(cfg, shard_weights(cfg, ckpt.tensors), act_dtype=torch.float64).logits([PROMPT])
+    with torch.no_grad():
+        theirs = transformers_model(ckpt)(PROMPT[None]).logits[0]
+    bound = fp32_stages(cfg) * GAIN * 2.0 ** -24 * float(theirs.abs().max())
+    err = float((ours - theirs).abs().max())
+    assert err <= bound, f"{arch}/{algo}: max |logit difference| {err:.3e} > derived bound {bound:.3e}"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_awq_scale_matters(ckpt_root, arch):
+    """The AWQ fixture must be sensitive to its pre_quant_scale (else the AWQ checks could not fail)."""
+    ckpt = load_checkpoint(ckpt_root / checkpoint_name(arch, "NVFP4_AWQ", "a"))
+    cfg = validate_checkpoint(ckpt)
+    good = TinyModel(cfg, shard_weights(cfg, ckpt.tensors)).logits([PROMPT])
+    dropped = {k: v for k, v in ckpt.tensors.items() if not k.endswith("pre_quant_scale")}
+    bad = TinyModel(cfg, shard_weights(cfg, dropped)).logits([PROMPT])
+    assert float((good - bad).abs().max()) > 0.1
+
+
+def test_prepared_linear_is_w4a16_linear(ckpt_root):
+    """The model's prepared linear computes exactly reference_impl.dense.w4a16_linear (fp64 accumulation)."""
+    ckpt = load_checkpoint(ckpt_root / checkpoint_name("dense", "NVFP4_AWQ", "a"))
+    cfg = validate_checkpoint(ckpt)
+    model = TinyModel(cfg, shard_weights(cfg, ckpt.tensors))
+    x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    p, w = "model.layers.0.self_attn.q_proj", model.w
+    ref = w4a16_linear(x, w[f"{p}.weight"], w[f"{p}.weight_scale"], w[f"{p}.weight_scale_2"],
+                       pre_quant_scale=w[f"{p}.pre_quant_scale"], out_dtype=torch.float64, accum_dtype=torch.float64)
+    assert torch.equal(model.linear(x, p), ref)
+
+
+@pytest.mark.parametrize("layout", [Layout(attn_size=2, attn_rank=r, ep_size=2, ep_rank=r) for r in range(2)]
+                         + [Layout(attn_size=2, attn_rank=r, moe_tp_size=2, moe_tp_rank=r) for r in range(2)],
+                         ids=["ep2-r0", "ep2-r1", "moetp2-r0", "moetp2-r1"])
+def test_shards_partition_the_weights(ckpt_root, layout):
+    """Sharded linears hold exactly their slice (packed columns and scale columns move together)."""
+    ckpt = load_checkpoint(ckpt_root / checkpoint_name("moe", "NVFP4_AWQ", "a"))
+    cfg = validate_checkpoint(ckpt)
+    shard = shard_weights(cfg, ckpt.tensors, layout)
+    full = ckpt.tensors
+    r = layout.attn_rank
+    o = "model.layers.0.self_attn.o_proj"
+    assert torch.equal(shard[f"{o}.weight"], full[f"{o}.weight"][:, r * 32:(r + 1) * 32])
+    assert torch.equal(shard[f"{o}.weight_scale"].view(torch.uint8), full[f"{o}.weight_scale"][:, r * 4:(r + 1) * 4].view(torch.uint8))
+    experts = {int(k.split(".")[5]) for k in shard if ".experts." in k}
+    assert experts == (set(range(layout.ep_rank * 4, layout.ep_rank * 4 + 4)) if layout.ep_size == 2 else set(range(8)))
+
+
+# ----------------------------------------------------------------------------------------- malformed checkpoints
+@dataclass(frozen=True)
+class Malformed:
+    id: str
+    edit: str  # what to do to a copy of dense-nvfp4_awq-a
+    match: str
+
+
+MALFORMED = [
+    Malformed("missing-tensor", "drop:model.layers.1.mlp.down_proj.weight_scale", r"missing tensor 'model\.layers\.1\.mlp\.down_proj\.weight_scale'"),
+    Malformed("missing-awq-scale", "drop:model.layers.0.self_attn.q_proj.pre_quant_scale", r"missing tensor '.*q_proj\.pre_quant_scale'"),
+    Malformed("wrong-dtype", "dtype:model.layers.0.self_attn.q_proj.weight_scale", r"'model\.layers\.0\.self_attn\.q_proj\.weight_scale' has dtype torch\.float32, expected torch\.float8_e4m3fn"),
+    Malformed("wrong-shape", "shape:model.layers.0.mlp.up_proj.weight", r"'model\.layers\.0\.mlp\.up_proj\.weight' has shape \(255, 64\), expected \(256, 64\)"),
+    Malformed("bad-global-scale", "zero:model.layers.0.mlp.up_proj.weight_scale_2", r"'model\.layers\.0\.mlp\.up_proj\.weight_scale_2' must be finite and positive"),
+    Malformed("bad-algo", "algo:FP4_MAGIC", r"quant_algo 'FP4_MAGIC' is not one of"),
+    Malformed("bad-group-size", "group:32", r"group_size 32 is not 16"),
+    Malformed("no-quant-config", "noquant", r"no hf_quant_config\.json and no quantization_config"),
+    Malformed("bad-json", "badjson", r"config\.json: not valid JSON"),
+    Malformed("no-safetensors", "nosafetensors", r"no \*\.safetensors files"),
+]
+
+
+def _apply(path, edit):
+    from safetensors.torch import load_file, save_file
+
+    kind, _, arg = edit.partition(":")
+    st = path / "model.safetensors"
+    if kind in ("drop", "dtype", "shape", "zero"):
+        t = load_file(str(st))
+        if kind == "drop":
+            del t[arg]
+        elif kind == "dtype":
+            t[arg] = t[arg].float()
+        elif kind == "shape":
+            t[arg] = t[arg][:-1].contiguous()
+        else:
+            t[arg] = torch.zeros_like(t[arg])
+        save_file(t, str(st))
+    elif kind in ("algo", "group"):
+        q = json.loads((path / "hf_quant_config.json").read_text())
+        q["quantization"]["quant_algo" if kind == "algo" else "group_size"] = arg if kind == "algo" else int(arg)
+        (path / "hf_quant_config.json").write_text(json.dumps(q))
+    elif kind == "noquant":
+        (path / "hf_quant_config.json").unlink()
+        c = json.loads((path / "config.json").read_text())
+        del c["quantization_config"]
+        (path / "config.json").write_text(json.dumps(c))
+    elif kind == "badjson":
+        (path / "config.json").write_text("{not json")
+    elif kind == "nosafetensors":
+        st.unlink()
+
+
+@pytest.mark.parametrize("case", MALFORMED, ids=[m.id for m in MALFORMED])
+def test_malformed_checkpoint_is_rejected_by_name(ckpt_root, tmp_path, case):
+    path = tmp_path / "ckpt"
+    shutil.copytree(ckpt_root / checkpoint_name("dense", "NVFP4_AWQ", "a"), path)
+    _apply(path, case.edit)
+    with pytest.raises(CheckpointError, match=case.match):
+        validate_checkpoint(load_checkpoint(path))
+
+
+def test_flat_and_nested_configs_agree(ckpt_root, tmp_path):
+    path = tmp_path / "flat"
+    shutil.copytree(ckpt_root / checkpoint_name("moe", "W4A16_NVFP4", "a"), path)
+    nested = read_configs(path)[1]
+    (path / "hf_quant_config.json").unlink()
+    flat = read_configs(path)[1]
+    assert nested == flat and flat.quant_algo == "W4A16_NVFP4"
+    assert flat.is_excluded("model.layers.1.mlp.gate") and not flat.is_excluded("model.layers.1.mlp.gate_proj")
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_checkpoint(tmp_path / "nope")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_corrupt_fixture_fails_on_its_missing_tensor(ckpt_root, arch):
+    ckpt = load_checkpoint(ckpt_root / checkpoint_name(arch, "NVFP4", "corrupt"))
+    with pytest.raises(CheckpointError, match="missing tensor"):
+        validate_checkpoint(ckpt)
+    assert corrupt_tensor_name(arch, ckpt.hf_config) not in ckpt.tensors
+
+
+def test_fixtures_are_deterministic(tmp_path, ckpt_root):
+    """Two builds give byte-identical safetensors (CI can rebuild instead of committing them)."""
+    from fixtures.make_checkpoints import build
+
+    build(tmp_path)
+    for name in ("dense-nvfp4_awq-a", "moe-w4a16_nvfp4-b"):
+        assert (tmp_path / name / "model.safetensors").read_bytes() == (ckpt_root / name / "model.safetensors").read_bytes()
