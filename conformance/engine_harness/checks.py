@@ -1,0 +1,88 @@
+"""Named checks on an :class:`~conformance.engine_harness.core.EngineRun`, and the references they use,
+computed straight from the checkpoint tensors (never from the engine's prepared tensors).
+
+* dense W4A16: ``y* = ((x * pqs) @ W^T) * max(weight_scale_2) + bias`` (SPEC section 2), judged by
+  :func:`conformance.bounds.dense_error_bound`.
+* dense W4A4: the activations ``x' = bf16(x * pqs)`` are NVFP4-quantized with the kernel recipe and the
+  global encode scale ``1 / max(input_scale)`` (bit-exact, :func:`reference_impl.nvfp4.quantize_kernel`),
+  ``y* = (q(x') @ W^T) * (max(input_scale) * max(weight_scale_2)) + bias``, evaluated exactly; the same
+  dense bound applies with ``x'`` replaced by the exact dequantized codes (``e2m1 * e4m3``: exact in bf16).
+* MoE W4A16: :func:`conformance.bounds_moe.moe_error_bound` on this rank's experts.
+"""
+from __future__ import annotations
+
+import torch
+
+from reference_impl.dense import w4a16_linear_exact
+from reference_impl.nvfp4 import BLOCK_SIZE, e2m1_decode, e4m3_decode, quantize_kernel, unpack_nibbles
+
+from ..adapter import DenseLayer
+from ..bounds import dense_error_bound, error_figures
+from .core import EngineRun, MoECheckpoint
+
+
+def w4a4_quantized_activations(x: torch.Tensor, ckpt: DenseLayer) -> torch.Tensor:
+    """``e2m1 * e4m3`` of the NVFP4-quantized activations, as bf16 (exact: at most 5 significant bits)."""
+    xp = x * ckpt.pre_quant_scale if ckpt.pre_quant_scale is not None else x
+    global_sf = 1.0 / ckpt.input_scale.float().max()
+    packed, sf = quantize_kernel(xp.reshape(-1, xp.shape[-1]), global_sf)
+    codes = e2m1_decode(unpack_nibbles(packed)) * e4m3_decode(sf).repeat_interleave(BLOCK_SIZE, dim=-1)
+    return codes.to(torch.bfloat16).reshape(xp.shape)
+
+
+def dense_reference(ckpt: DenseLayer, x: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(exact fp64 ``[..., N]``, per-element bound) for the engine's dense output."""
+    k = ckpt.in_features
+    if mode == "w4a16":
+        exact, mag = w4a16_linear_exact(x, ckpt.weight, ckpt.weight_scale, ckpt.weight_scale_2, ckpt.pre_quant_scale, ckpt.bias)
+        return exact, dense_error_bound(exact, mag, k, has_pre_quant_scale=ckpt.pre_quant_scale is not None, bias=ckpt.bias)
+    if ckpt.input_scale is None:
+        raise ValueError("a W4A4 reference needs the checkpoint's input_scale")
+    xq = w4a4_quantized_activations(x, ckpt)
+    alpha = (ckpt.input_scale.float().max() * ckpt.weight_scale_2.float().max()).reshape(1)
+    exact, mag = w4a16_linear_exact(xq, ckpt.weight, ckpt.weight_scale, alpha, None, ckpt.bias)
+    return exact, dense_error_bound(exact, mag, k, has_pre_quant_scale=False, bias=ckpt.bias)
+
+
+def moe_reference(ckpt: MoECheckpoint, x, topk_ids, topk_weights) -> tuple[torch.Tensor, torch.Tensor]:
+    from ..bounds_moe import moe_error_bound
+
+    b = moe_error_bound(x, topk_ids, topk_weights, ckpt.local_experts())
+    return b.exact, b.bound
+
+
+def check_output_within_bound(run: EngineRun, exact: torch.Tensor, bound: torch.Tensor, label: str) -> None:
+    """The engine's output (first forward) matches the checkpoint reference within the derived bound."""
+    y = run.y
+    assert isinstance(y, torch.Tensor) and tuple(y.shape) == tuple(exact.shape), (
+        f"{label}: engine output {getattr(y, 'shape', y)} does not have the reference shape {tuple(exact.shape)}"
+    )
+    assert y.dtype == torch.bfloat16, f"{label}: engine output is {y.dtype}, expected torch.bfloat16"
+    fig = error_figures(y, exact, bound)
+    assert fig.bound_ratio <= 1.0, (
+        f"{label}: engine output outside the derived bound of the checkpoint reference: "
+        f"max |y - y*| / bound = {fig.bound_ratio:.4g} at {fig.worst_index} (got {fig.worst_got!r}, "
+        f"exact {fig.worst_exact!r}); rel_l2 {fig.rel_l2:.3g}, cosine {fig.cosine:.6f}"
+    )
+
+
+def check_reload_keeps_identity(run: EngineRun, label: str) -> None:
+    """After a same-shape reload every graph-captured tensor is the same object at the same address."""
+    moved = []
+    for name, old in run.before.items():
+        new = run.after.get(name)
+        if new is None:
+            moved.append(f"{name}: gone after reload")
+        elif (new.obj_id, new.data_ptr) != (old.obj_id, old.data_ptr):
+            what = "rebound to a new object" if new.obj_id != old.obj_id else "same object, new storage"
+            moved.append(f"{name}: {what} (shape {old.shape} -> {new.shape}, {old.dtype} -> {new.dtype})")
+    assert not moved, f"{label}: a same-shape reload moved graph-captured tensors: " + "; ".join(moved)
+
+
+def check_reload_reproduces_output(run: EngineRun, label: str) -> None:
+    """Reloading the same checkpoint gives bitwise the same output."""
+    same = torch.equal(run.y.nan_to_num(), run.y_reload.nan_to_num()) and torch.equal(run.y.isnan(), run.y_reload.isnan())
+    assert same, (
+        f"{label}: output after reload differs from before: max |diff| = "
+        f"{(run.y.float() - run.y_reload.float()).abs().nan_to_num().max().item():.4g}"
+    )
