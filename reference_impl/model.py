@@ -44,6 +44,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     eos_token_id: int | None = None
+    max_position_embeddings: int = 256
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
@@ -62,6 +63,7 @@ class ModelConfig:
                 rope_theta=float((cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0))),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 eos_token_id=cfg.get("eos_token_id"),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 256)),
             )
             if arch == "qwen3_moe":
                 if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
@@ -259,9 +261,9 @@ class TinyModel:
         """Causal self-attention of packed sequences ``x [sum(lengths), H]`` (each from position 0)."""
         cfg, act = self.cfg, self.act
         t, hd = x.shape[0], cfg.head_dim
-        q = self.comm_free(self.linear(x, f"{p}.q_proj")).view(t, -1, hd)
-        k = self.comm_free(self.linear(x, f"{p}.k_proj")).view(t, -1, hd)
-        v = self.comm_free(self.linear(x, f"{p}.v_proj")).view(t, -1, hd)
+        q = self._heads(self.linear(x, f"{p}.q_proj"), hd)
+        k = self._heads(self.linear(x, f"{p}.k_proj"), hd)
+        v = self._heads(self.linear(x, f"{p}.v_proj"), hd)
         if f"{p}.q_norm.weight" in self.w:
             q, k = self.rms_norm(q, f"{p}.q_norm.weight"), self.rms_norm(k, f"{p}.k_norm.weight")
         outs = []
@@ -269,6 +271,9 @@ class TinyModel:
             outs.append(self._attend(qs, ks, vs))
         o = torch.cat(outs) if outs else q.new_zeros(0, q.shape[1] * hd)
         return self.comm.attn_all_reduce(self.linear(o, f"{p}.o_proj")).to(act)
+
+    def _heads(self, y: torch.Tensor, hd: int) -> torch.Tensor:
+        return self.comm_free(y).view(y.shape[0], y.shape[-1] // hd, hd)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         t, hd, act = q.shape[0], q.shape[-1], self.act
