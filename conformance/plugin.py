@@ -7,4 +7,5 @@ pytest_plugins = [
     "conformance._plugins.snapshots",
     "conformance._plugins.expectations",
     "conformance._plugins.report",
+    "conformance._plugins.harness",
 ]

@@ -1,0 +1,29 @@
+"""``--engine``: which engine's integration code the harness runs against the FlashInfer emulator;
+the ``engine_adapter`` fixture (skips, with the adapter's reason, when the engine is not installed)."""
+from __future__ import annotations
+
+import pytest
+
+from ..engine_harness import ENGINE_ENV_VAR, EngineLoadError, load_engine_adapter
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("nvfp4", "NVFP4 W4A16 conformance")
+    group.addoption(
+        "--engine",
+        default=None,
+        help=f"engine under the integration harness: a built-in name (sglang) or module:attr naming an "
+        f"EngineAdapter subclass (default: ${ENGINE_ENV_VAR} or 'sglang')",
+    )
+
+
+@pytest.fixture(scope="session")
+def engine_adapter(pytestconfig: pytest.Config):
+    try:
+        adapter = load_engine_adapter(pytestconfig.getoption("--engine"))
+    except EngineLoadError as exc:
+        raise pytest.UsageError(str(exc)) from exc
+    reason = adapter.skip_reason()
+    if reason:
+        pytest.skip(f"engine {adapter.name!r} not runnable here: {reason}")
+    return adapter
