@@ -8,4 +8,5 @@ pytest_plugins = [
     "conformance._plugins.expectations",
     "conformance._plugins.report",
     "conformance._plugins.harness",
+    "conformance._plugins.server",
 ]
