@@ -1,0 +1,99 @@
+"""Start an engine's server from a command template and always clean it up.
+
+Template placeholders: ``{python}`` (this interpreter), ``{model_path}``, ``{port}``, ``{tp}``, ``{dp}``,
+``{ep}``, ``{device}``. The server runs in its own process group (it may spawn ranks); ``stop`` sends
+SIGTERM to the group, waits, then SIGKILL. Its output goes to a log file, quoted when start-up fails.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .client import ServerClient
+
+REFERENCE_TEMPLATE = ("{python} -m reference_impl.server --model-path {model_path} --port {port} "
+                      "--tp {tp} --dp {dp} --ep {ep} --device {device}")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+_LIVE: set["ServerProcess"] = set()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerStartError(RuntimeError):
+    pass
+
+
+class ServerProcess:
+    def __init__(self, template: str, start_timeout_s: float = 180.0, **values):
+        self.port = free_port()
+        fields = {"python": shlex.quote(sys.executable), "port": self.port, **values}
+        try:
+            self.command = template.format(**fields)
+        except KeyError as exc:
+            raise ServerStartError(f"server command template uses unknown placeholder {exc}; "
+                                   f"known: {sorted(fields)}") from exc
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="nvfp4-server-", suffix=".log", delete=False)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+        self.proc = subprocess.Popen(shlex.split(self.command), stdout=self.log, stderr=subprocess.STDOUT,
+                                     cwd=REPO_ROOT, env=env, start_new_session=True)
+        _LIVE.add(self)
+        self._wait_healthy(start_timeout_s)
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        client = ServerClient(self.url)
+        end = time.monotonic() + timeout_s
+        try:
+            while time.monotonic() < end:
+                if self.proc.poll() is not None:
+                    raise ServerStartError(f"server exited with code {self.proc.returncode} during start-up\n"
+                                           f"command: {self.command}\n{self.log_tail()}")
+                if client.healthy():
+                    return
+                time.sleep(0.2)
+        finally:
+            client.close()
+        self.stop()
+        raise ServerStartError(f"server not healthy after {timeout_s:.0f} s\ncommand: {self.command}\n{self.log_tail()}")
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return Path(self.log.name).read_text()[-chars:]
+        except OSError:
+            return "(no log)"
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.proc.wait(5)
+        _LIVE.discard(self)
+        self.log.close()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for server in list(_LIVE):
+        server.stop(grace_s=3.0)
