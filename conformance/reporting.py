@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from .tiers import TIERS
+
 # ------------------------------------------------------------------------------------- areas
 #: Test-file stem (without ``test_``) -> capability area, in the order the table lists areas.
 AREAS: tuple[tuple[str, str], ...] = (
@@ -217,6 +219,7 @@ def merge_summaries(summaries: list[Mapping[str, Any]], skipped_tiers: Mapping[s
 
 # ------------------------------------------------------------------------------- markdown
 _MAX_IDS_IN_TABLE = 4
+_MAX_MESSAGE = 300
 
 
 def _fmt_ratio(value: float | None) -> str:
@@ -242,7 +245,10 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
     failures = gate_failures(summary)
     backends = ", ".join(f"{b['name']} ({b['version']})" for b in summary["backends"]) or "-"
     tiers = summary["tiers"]
-    skipped_tiers = "; ".join(f"{t} ({r})" for t, r in sorted(tiers["skipped"].items())) or "none"
+    order = {t: i for i, t in enumerate(TIERS)}
+    skipped_tiers = "; ".join(
+        f"{t} ({r})" for t, r in sorted(tiers["skipped"].items(), key=lambda kv: order.get(kv[0], len(order)))
+    ) or "none"
     lines = [
         "# NVFP4 W4A16 conformance report",
         "",
@@ -279,7 +285,7 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
         for t in failing:
             lines += [f"### `{t['nodeid']}`", "", f"- outcome: **{t['outcome']}** ({t['area']}, tier {t['tier']})"]
             if t["message"]:
-                lines.append(f"- message: {_cell(t['message'])}")
+                lines.append(f"- message: {_cell(t['message'][:_MAX_MESSAGE])}")
             ratio = bound_ratio_of(t)
             if ratio is not None:
                 lines.append(f"- bound ratio: {_fmt_ratio(ratio)}")

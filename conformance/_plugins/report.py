@@ -134,7 +134,7 @@ def _message(report: Any) -> str:
         return str(longrepr[2]).removeprefix("Skipped: ")
     crash = getattr(longrepr, "reprcrash", None)
     text = crash.message if crash is not None else str(longrepr)
-    return text.strip().splitlines()[-1][:500] if text.strip() else ""
+    return " / ".join(line.strip() for line in text.strip().splitlines() if line.strip())[:500]
 
 
 def _phase_outcome(report: pytest.TestReport) -> tuple[str, str]:
@@ -220,7 +220,9 @@ class _RunState:
 
     def summary(self, exitstatus: int) -> dict[str, Any]:
         hw = detect_hardware()
-        tests = [r.as_dict() for r in self.records.values()]
+        tests = [r.as_dict() for _, r in sorted(self.records.items())]
+        for t in tests:
+            t["duration"] = round(t["duration"], 4)
         used = {t["tier"] for t in tests}
         tiers_run = [t for t in TIERS if t in used and tier_skip_reason(t, hw) is None]
         tiers_skipped = {t: tier_skip_reason(t, hw) for t in TIERS if t in used and tier_skip_reason(t, hw)}
@@ -262,7 +264,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     outcome, message = _phase_outcome(report)
     rec.update(outcome, message)
     rec.duration += getattr(report, "duration", 0.0) or 0.0
-    if rec.failing and rec.repro is None:
+    if rec.failing and rec.repro is None and rec.area != reporting.EXPECTATIONS_AREA:
         rec.repro = state.repro(report.nodeid)
 
 

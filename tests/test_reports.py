@@ -1,0 +1,226 @@
+"""The gate and its reports, end to end: the reference passes, a planted mutant
+(tests/mutants/report_mutant.py) fails the gate, the Markdown table shows the failure, each repro command
+reruns exactly the failing case, and failing tests' tensors are saved as safetensors.
+
+Runs the real suite's dense module on a small subset (-k) through ci/run_conformance.py in a subprocess;
+the artifact tests use a probe module written to a temporary directory."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+import textwrap
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from conformance.reporting import area_of, merge_summaries, render_markdown, table_rows
+
+REPO = Path(__file__).resolve().parent.parent
+GATE = REPO / "ci" / "run_conformance.py"
+MUTANT = "tests.mutants.report_mutant:NoDecodeScaleMutant"
+# A small, fast slice of the dense module: the bound check on three small n=160 shapes.
+SUBSET = ["--tests", "conformance/test_dense.py", "--", "-k",
+          "matches_reference and (m1-n160 or m2-n160 or m3-n160)", "-q"]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    env.pop("NVFP4_CONFORMANCE_BACKEND", None)
+    return env
+
+
+def run_gate(out: Path, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(GATE), "--tier", "cpu", "--out", str(out), "--expectations", "none", *args]
+    return subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+
+
+def table(markdown: str) -> list[dict[str, str]]:
+    """The conformance table's rows as dicts keyed by header."""
+    lines = markdown.split("## Conformance table", 1)[1].splitlines()
+    rows = [line for line in lines if line.startswith("|")]
+    header = [c.strip() for c in rows[0].strip("|").split("|")]
+    return [dict(zip(header, (c.strip() for c in re.split(r"(?<!\\)\|", r.strip()[1:-1])))) for r in rows[2:]]
+
+
+@pytest.fixture(scope="module")
+def mutant_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gate-mutant")
+    proc = run_gate(out, "--backend", MUTANT, "--workers", "0", *SUBSET)  # xdist: see test_expectations.py
+    return proc, out
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gate-reference")
+    return run_gate(out, "--backend", "reference", "--workers", "0", *SUBSET), out
+
+
+def test_reference_passes_the_gate_with_all_three_reports(reference_run):
+    proc, out = reference_run
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["verdict"] == "pass"
+    assert summary["suite_version"] and summary["hardware"]
+    assert summary["backends"][0]["name"] == "reference" and summary["backends"][0]["version"]
+    assert summary["tiers"]["run"] == ["cpu"]
+    passed = [t for t in summary["tests"] if t["outcome"] == "passed"]
+    assert passed and all(t["area"] == "dense" and t["backend"] == "reference" for t in passed)
+    suites = ET.parse(out / "junit.xml").getroot().findall("testsuite")
+    assert sum(int(s.get("tests")) for s in suites) == len(summary["tests"])
+    row = {r["Backend"]: r for r in table((out / "report.md").read_text())}["reference"]
+    assert int(row["Pass"]) == len(passed) and row["Fail"] == "0"
+    assert 0 <= float(row["Worst bound ratio"]) <= 1  # the dense check records bound_ratio on success
+
+
+def test_mutant_fails_the_gate(mutant_run):
+    proc, out = mutant_run
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[gate] FAIL" in proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["verdict"] == "fail"
+    failed = [t for t in summary["tests"] if t["outcome"] == "failed"]
+    assert failed and all("NoDecodeScaleMutant" in t["nodeid"] for t in failed)
+    junit_failures = sum(int(s.get("failures")) for s in ET.parse(out / "junit.xml").getroot().iter("testsuite"))
+    assert junit_failures == len(failed)
+
+
+def test_table_shows_the_mutants_failures(mutant_run):
+    _, out = mutant_run
+    summary = json.loads((out / "summary.json").read_text())
+    failed = [t["nodeid"] for t in summary["tests"] if t["outcome"] == "failed"]
+    markdown = (out / "report.md").read_text()
+    assert "**Verdict: FAIL**" in markdown
+    row = {(r["Area"], r["Backend"]): r for r in table(markdown)}[("dense", "NoDecodeScaleMutant")]
+    assert int(row["Fail"]) == len(failed) and row["Pass"] == "0"
+    assert failed[0].split("::", 1)[1] in row["Failing cases"]
+    for nodeid in failed:  # each failure has its own section with the repro command
+        assert f"### `{nodeid}`" in markdown
+
+
+def test_repro_command_reruns_exactly_the_failing_case(mutant_run):
+    _, out = mutant_run
+    summary = json.loads((out / "summary.json").read_text())
+    failure = next(t for t in summary["tests"] if t["outcome"] == "failed")
+    cmd = shlex.split(failure["repro"])
+    assert cmd[:3] == ["python", "-m", "pytest"] and "--backend" in cmd and MUTANT in cmd
+    rerun = subprocess.run([sys.executable, *cmd[1:]], cwd=summary["repro_cwd"], env=_env(),
+                           capture_output=True, text=True, timeout=300)
+    assert rerun.returncode != 0
+    assert re.search(r"\b1 failed\b", rerun.stdout) and " passed" not in rerun.stdout.splitlines()[-1], rerun.stdout[-2000:]
+    # the same command with the reference backend passes: the failure is the backend's, not the case's
+    fixed = [("reference" if c == MUTANT else c.replace("NoDecodeScaleMutant", "reference")) for c in cmd]
+    ok = subprocess.run([sys.executable, *fixed[1:]], cwd=summary["repro_cwd"], env=_env(),
+                        capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stdout[-2000:]
+
+
+def test_misconfigured_gate_exits_2(tmp_path):
+    proc = subprocess.run([sys.executable, str(GATE), "--tier", "h100", "--out", str(tmp_path)],
+                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "unknown tier 'h100'" in proc.stderr
+
+
+# ------------------------------------------------------------------------------ artifacts
+PROBE = '''
+import torch
+from conformance.reporting import record_tensors
+
+def test_fails(backend, artifacts):
+    x = torch.arange(6, dtype=torch.float32).reshape(2, 3).bfloat16()
+    artifacts.save("io", x=x, y=x.t())            # a view of x: must be written on its own
+    record_tensors("scales", s=torch.tensor([1.5, 2.0]).to(torch.float8_e4m3fn))
+    assert False, "planted failure"
+
+def test_passes(artifacts):
+    artifacts.save("io", x=torch.zeros(3))
+'''
+
+
+def test_failing_tests_tensors_are_saved_and_passing_ones_are_not(tmp_path):
+    from safetensors import safe_open
+
+    (tmp_path / "conftest.py").write_text('pytest_plugins = ["conformance.plugin"]\n')
+    (tmp_path / "test_dense.py").write_text(textwrap.dedent(PROBE))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--report-dir", "out", "-q"],
+                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    tests = {t["nodeid"]: t for t in summary["tests"]}
+    failed = tests["test_dense.py::test_fails[reference]"]
+    assert sorted(Path(p).name for p in failed["artifacts"]) == ["io.safetensors", "scales.safetensors"]
+    with safe_open(str(tmp_path / failed["artifacts"][0]), "pt") as f:
+        assert f.metadata()["nodeid"] == "test_dense.py::test_fails[reference]"
+        assert f.get_tensor("y").shape == (3, 2) and f.get_tensor("x").dtype.is_floating_point
+    assert tests["test_dense.py::test_passes"]["artifacts"] == []
+    assert sorted(p.name for p in (tmp_path / "out" / "artifacts").iterdir()) == ["test_dense.py_test_fails_reference"]
+    assert "artifact: `out/artifacts/test_dense.py_test_fails_reference/io.safetensors`" in (
+        tmp_path / "out" / "report.md").read_text()
+
+
+# ------------------------------------------------------------------------- pure functions
+@pytest.mark.parametrize("nodeid,area", [
+    ("conformance/test_format.py::test_x", "format"),
+    ("conformance/test_dense.py::test_x[a-b]", "dense"),
+    ("conformance/test_moe.py::test_x", "MoE"),
+    ("conformance/test_config_rules.py::test_x", "config rules"),
+    ("conformance/test_lm_head_guard.py::test_x", "LM head"),
+    ("conformance/test_reload_binding.py::test_x", "reload"),
+    ("conformance/test_server_scenarios.py::test_x", "server"),
+    ("conformance/test_engine_integration.py::test_x", "engine integration"),
+    ("conformance/test_something_new.py::test_x", "other"),
+])
+def test_area_of(nodeid, area):
+    assert area_of(nodeid) == area
+
+
+def _t(nodeid, outcome, backend="b", ratio=None, message=""):
+    return {"nodeid": nodeid, "area": area_of(nodeid), "backend": backend, "tier": "cpu", "outcome": outcome,
+            "message": message, "duration": 0.0, "properties": {} if ratio is None else {"bound_ratio": ratio},
+            "repro": f"python -m pytest {nodeid}" if outcome in ("failed", "error", "xpass_strict") else None,
+            "artifacts": []}
+
+
+def _summary(tests, skipped=None):
+    return {"suite_version": "0", "backend_spec": "b", "backends": [{"name": "b", "version": "1"}],
+            "hardware": "hw", "tiers": {"run": ["cpu"], "skipped": skipped or {}}, "expectations": None,
+            "run_errors": [], "tests": tests}
+
+
+def test_table_counts_columns_and_worst_ratio_per_area_and_backend():
+    tests = [
+        _t("t/test_dense.py::a", "passed", ratio=0.5), _t("t/test_dense.py::b", "failed", ratio=3.0),
+        _t("t/test_dense.py::c", "xfailed"), _t("t/test_dense.py::d", "skipped", message="why"),
+        _t("t/test_dense.py::e", "xpass_strict"), _t("t/test_dense.py::f", "error"),
+        _t("t/test_dense.py::g", "passed", backend="other", ratio=float("nan")),
+        _t("t/test_format.py::h", "passed", backend="-"),
+    ]
+    rows = {(r["area"], r["backend"]): r for r in table_rows(tests)}
+    dense = rows[("dense", "b")]
+    assert (dense["pass"], dense["fail"], dense["xfail"], dense["skip"]) == (1, 3, 1, 1)
+    assert dense["worst_bound_ratio"] == 3.0
+    assert dense["failing"] == ["t/test_dense.py::b", "t/test_dense.py::e", "t/test_dense.py::f"]
+    assert math.isnan(rows[("dense", "other")]["worst_bound_ratio"])  # a NaN error is the worst there is
+    assert rows[("format", "-")]["worst_bound_ratio"] is None
+    assert [r["area"] for r in table_rows(tests)][0] == "format"  # areas in the documented order
+    md = render_markdown(_summary(tests, {"b200": "needs SM100/SM103"}))
+    assert "**Verdict: FAIL** (3 gate failures)" in md
+    assert "| dense | b | 1 | 3 | 1 | 1 | 3 | `b`, `e`, `f` |" in md
+    assert "b200 (needs SM100/SM103)" in md and "| why | 1 |" in md
+
+
+def test_merge_keeps_every_tier_runs_tests_and_skipped_tiers():
+    cpu = _summary([_t("t/test_dense.py::a", "passed")])
+    gpu = _summary([_t("t/test_dense.py::b", "passed")])
+    gpu["tiers"]["run"] = ["cuda"]
+    merged = merge_summaries([cpu, gpu], {"b200": "needs SM100/SM103"})
+    assert [t["nodeid"] for t in merged["tests"]] == ["t/test_dense.py::a", "t/test_dense.py::b"]
+    assert merged["tiers"] == {"run": ["cpu", "cuda"], "skipped": {"b200": "needs SM100/SM103"}}
+    assert merged["verdict"] == "pass"
+    assert render_markdown(merged).startswith("# NVFP4 W4A16 conformance report\n\n**Verdict: PASS**")
