@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy
 import torch
 
 #: Unit roundoff of bfloat16 (8 significant bits incl. the implicit one): round-to-nearest error <= 2^-8 |v|.
@@ -106,7 +107,7 @@ def error_figures(got: torch.Tensor, exact: torch.Tensor, bound: torch.Tensor) -
     ratio = err / b.clamp_min(torch.finfo(torch.float64).tiny)
     ratio = torch.where(finite, ratio, torch.zeros_like(ratio))
     flat = int(torch.argmax(ratio.reshape(-1)))
-    idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), e.shape)) if e.dim() else ()
+    idx = tuple(int(i) for i in numpy.unravel_index(flat, tuple(e.shape))) if e.dim() else ()
     gf = torch.where(finite & torch.isfinite(g), g, torch.zeros_like(g))
     ef = torch.where(finite, e, torch.zeros_like(e))
     diff_norm = float(torch.linalg.vector_norm(gf - ef))

@@ -63,7 +63,11 @@ def describe_inputs(run: DenseRun) -> str:
 
 
 def exact_and_bound(run: DenseRun) -> tuple[torch.Tensor, torch.Tensor]:
-    """The exact fp64 output ``y*`` and the per-element bound of :func:`conformance.bounds.dense_error_bound`."""
+    """The exact fp64 output ``y*`` and the per-element bound of :func:`conformance.bounds.dense_error_bound`
+    (computed once per run and kept on it: the inputs of a run never change)."""
+    cached = run.__dict__.get("_exact_and_bound")
+    if cached is not None:
+        return cached
     layer = run.layer
     exact, magnitude = w4a16_linear_exact(
         run.x, layer.weight, layer.weight_scale, layer.weight_scale_2, layer.pre_quant_scale, layer.bias
@@ -71,6 +75,7 @@ def exact_and_bound(run: DenseRun) -> tuple[torch.Tensor, torch.Tensor]:
     bound = dense_error_bound(
         exact, magnitude, run.case.k, has_pre_quant_scale=layer.pre_quant_scale is not None, bias=layer.bias
     )
+    object.__setattr__(run, "_exact_and_bound", (exact, bound))
     return exact, bound
 
 

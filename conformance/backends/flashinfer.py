@@ -1,0 +1,210 @@
+"""FlashInfer's W4A16 dense GEMM behind the adapter: ``prepare_bf16_fp4_weights`` once per layer, then
+``mm_bf16_fp4`` per call, one :class:`FlashInferBackend` per GEMM backend the installed FlashInfer offers
+(``flashinfer-cudnn``, ``flashinfer-cute-dsl``, ... each its own parametrization).
+
+What the adapter does around the two calls is what SGLang 0.5.23 does (``ModelOptFp4LinearMethod`` in
+W4A16 mode): block scales 128x4-swizzled, ``alpha = max(weight_scale_2)`` as a ``(1,)`` fp32 tensor (the
+W4A4 ``input_scale`` is never folded in), ``x * pre_quant_scale`` in bf16 before the GEMM, the GEMM on the
+activations flattened to 2-D, the bias added to the bf16 output.
+
+Gating uses FlashInfer's own capability query (``mm_bf16_fp4.is_backend_supported(backend, cc)``).
+FlashInfer missing, unimportable or older than :data:`REQUIRED_VERSION` does not abort the run: one
+backend named ``flashinfer`` is returned whose every case skips with the reason (naming the version).
+Fused MoE is delegated to :mod:`conformance.backends.flashinfer_moe` and offered by one instance only
+(:data:`MOE_GEMM_BACKEND`), since it does not depend on the dense GEMM backend.
+"""
+from __future__ import annotations
+
+import inspect
+import re
+import typing
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from reference_impl.dense import dense_alpha
+from reference_impl.nvfp4 import swizzle_128x4
+
+from ..adapter import Backend, CaseInfo, DenseLayer, MoEExperts
+
+#: The first FlashInfer release with ``prepare_bf16_fp4_weights`` / ``mm_bf16_fp4``.
+REQUIRED_VERSION = "0.6.18"
+#: GEMM backends of FlashInfer 0.7.4, used only if the installed version's signature cannot be read.
+KNOWN_GEMM_BACKENDS = ("cudnn", "cute-dsl", "cute-dsl-native", "blackwell-native", "blackwell-tiled")
+#: The instance that also runs fused MoE cases (SGLang's W4A16 path uses CuTe DSL for both).
+MOE_GEMM_BACKEND = "cute-dsl"
+#: Shape limits the 0.7.4 sources state for a backend (checked at prepare time there): (predicate, reason).
+_SHAPE_LIMITS = {
+    "blackwell-tiled": (lambda n, k: n % 64 == 0, "blackwell-tiled requires N % 64 == 0 (FlashInfer 0.7.4)"),
+}
+
+
+def _version_tuple(version: str) -> tuple[int, int, int]:
+    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
+    if not m:
+        raise ValueError(f"unparseable FlashInfer version {version!r}")
+    return int(m[1]), int(m[2]), int(m[3] or 0)
+
+
+def load_flashinfer() -> tuple[ModuleType | None, str | None]:
+    """``(module, None)`` when a usable FlashInfer is installed, else ``(None, reason)``."""
+    need = f"the flashinfer backend needs flashinfer-python>={REQUIRED_VERSION}"
+    try:
+        import flashinfer
+    except ImportError as exc:
+        return None, f"FlashInfer is not installed ({exc}); {need} (pip install 'flashinfer-python>={REQUIRED_VERSION}')"
+    except Exception as exc:  # noqa: BLE001 - a broken install is reported verbatim, not raised mid-collection
+        return None, f"FlashInfer failed to import ({type(exc).__name__}: {exc}); {need}"
+    version = str(getattr(flashinfer, "__version__", "0"))
+    try:
+        too_old = _version_tuple(version) < _version_tuple(REQUIRED_VERSION)
+    except ValueError as exc:
+        return None, f"{exc}; {need}"
+    if too_old:
+        return None, f"flashinfer-python {version} is older than {REQUIRED_VERSION}, which added mm_bf16_fp4; {need}"
+    missing = [f for f in ("prepare_bf16_fp4_weights", "mm_bf16_fp4") if not hasattr(flashinfer, f)]
+    if missing:
+        return None, f"flashinfer-python {version} lacks {', '.join(missing)}; {need}"
+    return flashinfer, None
+
+
+def offered_gemm_backends(mm_bf16_fp4: Any) -> tuple[str, ...]:
+    """The ``backend`` values the installed ``mm_bf16_fp4`` accepts: the ``Literal`` of its signature,
+    filtered by FlashInfer's own ``has_backend`` (the 0.7.4 list if the annotation cannot be read)."""
+    try:
+        names = typing.get_args(inspect.signature(mm_bf16_fp4).parameters["backend"].annotation)
+    except (KeyError, TypeError, ValueError):
+        names = ()
+    names = tuple(n for n in names if isinstance(n, str)) or KNOWN_GEMM_BACKENDS
+    has = getattr(mm_bf16_fp4, "has_backend", None)
+    return tuple(n for n in names if has is None or has(n))
+
+
+def capability_skip_reason(mm_bf16_fp4: Any, gemm_backend: str, capability: tuple[int, int], gpu: str) -> str | None:
+    """FlashInfer's verdict on ``gemm_backend`` at ``capability``, as a skip reason (``None``: supported)."""
+    cc = capability[0] * 10 + capability[1]
+    if mm_bf16_fp4.is_backend_supported(gemm_backend, cc):
+        return None
+    return f"flashinfer mm_bf16_fp4 backend '{gemm_backend}' does not support SM{cc} ({gpu})"
+
+
+def shape_skip_reason(gemm_backend: str, n: int, k: int) -> str | None:
+    """The stated shape limit of ``gemm_backend`` that ``N x K`` breaks, if any."""
+    limit = _SHAPE_LIMITS.get(gemm_backend)
+    if limit and not limit[0](n, k):
+        return f"{limit[1]}; case has N={n}, K={k}"
+    return None
+
+
+@dataclass(frozen=True)
+class PreparedDense:
+    weight: torch.Tensor
+    weight_scale: torch.Tensor
+    alpha: torch.Tensor | None
+    pre_quant_scale: torch.Tensor | None
+    bias: torch.Tensor | None
+    out_features: int
+
+
+class FlashInferBackend(Backend):
+    """One FlashInfer ``mm_bf16_fp4`` GEMM backend (``gemm_backend``), or, with ``unavailable`` set, the
+    placeholder that skips every case with that reason. ``module`` defaults to the installed ``flashinfer``
+    (the self-tests pass an emulation of its API to exercise the plumbing on CPU)."""
+
+    def __init__(self, gemm_backend: str | None, module: ModuleType | None = None, unavailable: str | None = None):
+        self.gemm_backend = gemm_backend
+        self.module = module
+        self.unavailable = unavailable
+        self.name = f"flashinfer-{gemm_backend}" if gemm_backend else "flashinfer"
+
+    def version(self) -> str:
+        if self.module is None:
+            return "unavailable"
+        return f"flashinfer {getattr(self.module, '__version__', 'unknown')}, gemm backend {self.gemm_backend}"
+
+    def skip_reason(self, case: CaseInfo) -> str | None:
+        if self.unavailable:
+            return self.unavailable
+        if case.kind == "moe":
+            return self._moe_skip_reason(case)
+        device = torch.device(case.device)
+        if device.type != "cuda":
+            return f"FlashInfer mm_bf16_fp4 runs on CUDA GPUs only; this case runs on {device.type}"
+        if not torch.cuda.is_available():
+            return "FlashInfer mm_bf16_fp4 needs a CUDA GPU; torch.cuda.is_available() is False"
+        reason = capability_skip_reason(
+            self.module.mm_bf16_fp4,
+            self.gemm_backend,
+            torch.cuda.get_device_capability(device),
+            torch.cuda.get_device_name(device),
+        )
+        return reason or shape_skip_reason(self.gemm_backend, case.shape["n"], case.shape["k"])
+
+    def prepare_dense(self, layer: DenseLayer, device: torch.device) -> PreparedDense:
+        self._require_available()
+        alpha = dense_alpha(layer.weight_scale_2).reshape(1).to(device=device, dtype=torch.float32)
+        weight, scales, alpha = self.module.prepare_bf16_fp4_weights(
+            layer.weight.to(device).contiguous(),
+            swizzle_128x4(layer.weight_scale.to(device)),
+            alpha,
+            backend=self.gemm_backend,
+        )
+        pqs = None if layer.pre_quant_scale is None else layer.pre_quant_scale.to(device, torch.bfloat16)
+        bias = None if layer.bias is None else layer.bias.to(device, torch.bfloat16)
+        return PreparedDense(weight, scales, alpha, pqs, bias, layer.out_features)
+
+    def run_dense(self, prepared: PreparedDense, x: torch.Tensor) -> torch.Tensor:
+        self._require_available()
+        a = x.reshape(-1, x.shape[-1])
+        if prepared.pre_quant_scale is not None:
+            a = a * prepared.pre_quant_scale  # bf16 * bf16 -> bf16, as the engine does
+        out = self.module.mm_bf16_fp4(
+            a.contiguous(),
+            prepared.weight,
+            prepared.weight_scale,
+            prepared.alpha,
+            backend=self.gemm_backend,
+            out_dtype=torch.bfloat16,
+        )
+        if prepared.bias is not None:
+            out = out + prepared.bias
+        return out.reshape(*x.shape[:-1], prepared.out_features)
+
+    # ------------------------------------------------------------------------------------- MoE
+    def _moe_skip_reason(self, case: CaseInfo) -> str | None:
+        if self.gemm_backend != MOE_GEMM_BACKEND:
+            return f"FlashInfer fused MoE is exercised once, under flashinfer-{MOE_GEMM_BACKEND}"
+        moe = _moe_module()
+        return moe.flashinfer_moe_skip_reason(case) if hasattr(moe, "flashinfer_moe_skip_reason") else None
+
+    def prepare_moe(self, experts: MoEExperts, device: torch.device) -> Any:
+        self._require_available()
+        return _moe_module().prepare_moe(experts, device)
+
+    def run_moe(self, prepared: Any, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        return _moe_module().run_moe(prepared, x, topk_ids, topk_weights)
+
+    def _require_available(self) -> None:
+        if self.unavailable:
+            raise RuntimeError(self.unavailable)
+
+
+def _moe_module() -> ModuleType:
+    try:
+        from . import flashinfer_moe
+    except ImportError as exc:
+        raise NotImplementedError(
+            f"FlashInfer W4A16 MoE adapter (conformance/backends/flashinfer_moe.py) is not available: {exc}"
+        ) from exc
+    return flashinfer_moe
+
+
+def all_backends() -> list[FlashInferBackend]:
+    """One backend per GEMM backend of the installed FlashInfer; a single skipping placeholder if FlashInfer
+    is missing, broken or older than :data:`REQUIRED_VERSION`."""
+    module, reason = load_flashinfer()
+    if module is None:
+        return [FlashInferBackend(None, unavailable=reason)]
+    return [FlashInferBackend(name, module) for name in offered_gemm_backends(module.mm_bf16_fp4)]

@@ -1,0 +1,50 @@
+"""The dense checks can fail: every mutant is rejected by its named check on some cpu case, every correct
+variant passes every check on every cpu case, and the ``--backend`` wiring rejects a mutant end to end."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conformance.checks_dense import NAMED_CHECKS, failing_checks
+from conformance.dense_cases import CPU_CASES
+from tests.mutants.dense import MUTANTS, VARIANTS
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_every_mutant_names_a_real_check():
+    assert len(MUTANTS) >= 12
+    for mutant in MUTANTS:
+        assert mutant.caught_by in NAMED_CHECKS, f"{mutant.__name__}.caught_by = {mutant.caught_by!r}"
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.__name__)
+def test_mutant_is_rejected(mutant, record_property):
+    backend = mutant()
+    for case in CPU_CASES:  # stop at the first case where the expected check fires
+        failures = failing_checks(backend, case)
+        if mutant.caught_by in failures:
+            record_property("caught_by", f"{sorted(failures)} on {case.id}")
+            return
+    pytest.fail(f"{mutant.__name__} ({mutant.__doc__.strip()}) passed {mutant.caught_by} on every cpu case")
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.__name__)
+def test_correct_variant_is_accepted(variant):
+    backend = variant()
+    rejected = {case.id: failures for case in CPU_CASES if (failures := failing_checks(backend, case))}
+    assert not rejected, f"{variant.__name__} ({variant.__doc__.strip()}) was rejected: {rejected}"
+
+
+def test_backend_option_runs_a_mutant_end_to_end():
+    cmd = [sys.executable, "-m", "pytest", "conformance/test_dense.py", "-m", "cpu", "-q", "-x",
+           "-p", "no:cacheprovider", "--backend", "tests.mutants.dense:NibbleSwapped"]
+    env = {k: v for k, v in os.environ.items() if k != "NVFP4_CONFORMANCE_BACKEND"}
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 1, f"expected test failures (exit 1), got {done.returncode}:\n{done.stdout}\n{done.stderr}"
+    assert "outside the derived error bound" in done.stdout, done.stdout[-3000:]
+    assert "[NibbleSwapped-cpu-" in done.stdout, "the test ids should name the backend under test"
