@@ -267,6 +267,10 @@ MODELOPT_RECIPE_EXAMPLES = [
         "amax 2688 = 6 * 448: weight_scale_2 = 1, sf = e4m3(2688 / 6 / 1) = 448 = 0x7E; x / 448 = 6, 3, -1.5, "
         "0.25 (tie -> 0), 0.75 (tie -> 1.0, code 2), 0, 1 -> codes 7, 5, 11, 0, 2, 0, 2",
     ),
+    ModelOptRecipeExample(
+        "all-zero-weight", (0.0,) * 16, 0.0, 0x00, (0,) * 16,
+        "amax 0: weight_scale_2 = 0; an all-zero block gets scale 0 and codes 0 (not 0/0 = NaN)",
+    ),
 ]
 
 
@@ -396,3 +400,60 @@ DEVICE_PARITY_CASES = [
     for fam in ADVERSARIAL_FAMILIES
     for dt in (torch.float32, torch.bfloat16)
 ] + [DeviceParityCase(f"swizzle_128x4-{s.id}", "swizzle_128x4", s.id, torch.uint8) for s in SWIZZLE_CASES]
+
+
+# ----------------------------------------------------------------------------------------- scalar value families
+def _around(values, ulps=(0, 1, 2)) -> np.ndarray:
+    """``values`` and their float32 neighbours up to ``max(ulps)`` ulps away, both signs."""
+    v = np.asarray(values, dtype=np.float32)
+    out = [v]
+    for u in ulps[1:]:
+        up, down = v.copy(), v.copy()
+        for _ in range(u):
+            up = np.nextafter(up, np.float32(np.inf))
+            down = np.nextafter(down, np.float32(-np.inf))
+        out += [up, down]
+    a = np.concatenate(out)
+    return np.concatenate([a, -a])
+
+
+_SPECIALS = np.array([0.0, np.inf, np.nan, FLT_MAX, 1e-45, 1e-40, 1.1754944e-38], dtype=np.float32)
+
+
+def _e2m1_adversarial() -> dict[str, np.ndarray]:
+    mags = np.array(E2M1_VALUES[:8], dtype=np.float32)
+    mids = (mags[:-1] + mags[1:]) / 2
+    return {
+        "values-and-neighbours": _around(mags),
+        "midpoints-and-neighbours": _around(mids),
+        "saturation": _around([6.0, 6.5, 7.0, 8.0, 12.0, 1e10]),
+        "specials": np.concatenate([_SPECIALS, -_SPECIALS]),
+    }
+
+
+def _e4m3_adversarial() -> dict[str, np.ndarray]:
+    pos = np.array([E4M3_VALUES[b] for b in range(0x7F)], dtype=np.float64)
+    mids = ((pos[:-1] + pos[1:]) / 2).astype(np.float32)
+    return {
+        "values-and-neighbours": _around(pos.astype(np.float32)),
+        "midpoints-and-neighbours": _around(mids),
+        "subnormal-boundaries": _around(np.ldexp(np.arange(0, 20, dtype=np.float32), -11)),
+        "saturation": _around([448.0, 456.0, 464.0, 480.0, 512.0, 1e6, 3e38]),
+        "specials": np.concatenate([_SPECIALS, -_SPECIALS]),
+    }
+
+
+E2M1_ADVERSARIAL = _e2m1_adversarial()
+E4M3_ADVERSARIAL = _e4m3_adversarial()
+
+
+def random_float32(n: int, seed: int, spread: tuple[int, int]) -> np.ndarray:
+    """``n`` float32 values: half log-uniform magnitudes 2^spread[0] .. 2^spread[1] with random sign, a quarter
+    uniform over the same span, a quarter random bit patterns (every class: subnormal, inf, NaN)."""
+    rng = np.random.Generator(np.random.PCG64(seed))
+    h, q = n // 2, n // 4
+    lo, hi = spread
+    log_uniform = np.exp2(rng.uniform(lo, hi, h)) * rng.choice([-1.0, 1.0], h)
+    linear = rng.uniform(-(2.0**hi), 2.0**hi, q)
+    bits = rng.integers(0, 2**32, n - h - q, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    return np.concatenate([log_uniform.astype(np.float32), linear.astype(np.float32), bits])

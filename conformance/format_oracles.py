@@ -61,14 +61,16 @@ def e4m3_value_from_fields(byte: int) -> float:
 def e2m1_codes_ml_dtypes(x: np.ndarray) -> np.ndarray:
     """E2M1 codes of float32 ``x`` by ml_dtypes (RNE, saturating), NaN -> code 7 (the hardware's +6)."""
     x = np.asarray(x, dtype=np.float32)
-    codes = x.astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0xF
+    with np.errstate(invalid="ignore"):  # NaN inputs: replaced below
+        codes = x.astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0xF
     return np.where(np.isnan(x), np.uint8(7), codes).astype(np.uint8)
 
 
 def e4m3_bytes_ml_dtypes(x: np.ndarray) -> np.ndarray:
     """float8_e4m3fn bytes of float32 ``x`` by ml_dtypes after the satfinite clip to +-448 (NaN stays NaN)."""
     x = np.asarray(x, dtype=np.float32)
-    return np.clip(x, -448.0, 448.0).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    with np.errstate(invalid="ignore"):  # NaN stays NaN, as intended
+        return np.clip(x, -448.0, 448.0).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
 
 
 def e4m3_values_ml_dtypes(x: np.ndarray) -> np.ndarray:
@@ -91,7 +93,8 @@ class ModelOptOracle:
 def modelopt_recipe_numpy(w: np.ndarray, weight_scale_2: float | None = None) -> ModelOptOracle:
     """SPEC 1, ModelOpt weight recipe, as a float32 numpy program (every operation one IEEE float32 rounding):
     ``ws2 = amax / 2688`` (6 * 448 = 2688 exactly), ``sf = e4m3(block_amax / 6 / ws2)``,
-    ``q = e2m1(x / (sf * ws2))``; an all-zero block (sf = 0) gets codes 0."""
+    ``q = e2m1(x / (sf * ws2))``; an all-zero block gets scale 0 and codes 0 (also when ws2 = 0), and so does a
+    block whose scale rounds to 0."""
     w = np.asarray(w, dtype=np.float32)
     n, k = w.shape
     blocks = w.reshape(n, k // 16, 16)
@@ -101,7 +104,8 @@ def modelopt_recipe_numpy(w: np.ndarray, weight_scale_2: float | None = None) ->
         else:
             ws2 = np.float32(weight_scale_2)
         block_amax = np.nanmax(np.abs(blocks), axis=-1).astype(np.float32)
-        sf_bytes = e4m3_bytes_ml_dtypes(block_amax / np.float32(6.0) / ws2)
+        sf_in = np.where(block_amax == 0, np.float32(0.0), block_amax / np.float32(6.0) / ws2)
+        sf_bytes = e4m3_bytes_ml_dtypes(sf_in)
         sf = sf_bytes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
         denom = (sf * ws2)[..., None]
         scaled = np.where(denom == 0, np.float32(0.0), blocks / denom).astype(np.float32)
@@ -172,3 +176,44 @@ def _as_uint_numpy(a) -> np.ndarray:
     if arr.dtype.kind == "f":
         raise TypeError(f"compare_bits compares codes/bytes, got a {arr.dtype} array")
     return arr.astype(np.int64)
+
+
+# ----------------------------------------------------------------------------------------- oracle checks
+# Each check runs an implementation (the reference, or a mutant in tests/test_format_mutants.py) against one oracle
+# and returns the first disagreement, or None. The self-tests assert None for the reference and a Mismatch for mutants.
+def check_e2m1_encode(encode, x: np.ndarray) -> Mismatch | None:
+    """``encode`` (float32 tensor -> uint8 codes) against ml_dtypes on ``x``."""
+    got = encode(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)))
+    return compare_bits("E2M1 codes vs ml_dtypes", got, e2m1_codes_ml_dtypes(x))
+
+
+def check_e4m3_encode(encode, x: np.ndarray) -> Mismatch | None:
+    """``encode`` (float32 tensor -> float8_e4m3fn) against ml_dtypes (after the satfinite clip) on ``x``.
+    NaN inputs must give a NaN byte (0x7F or 0xFF; ml_dtypes keeps the sign, so does torch)."""
+    got = encode(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)))
+    return compare_bits("E4M3 bytes vs ml_dtypes", got, e4m3_bytes_ml_dtypes(x))
+
+
+def check_modelopt_recipe(quantize_modelopt, w: torch.Tensor, weight_scale_2: float | None = None) -> Mismatch | None:
+    """``quantize_modelopt(w[, ws2])`` against :func:`modelopt_recipe_numpy` (same float32 input values)."""
+    q = quantize_modelopt(w) if weight_scale_2 is None else quantize_modelopt(w, weight_scale_2)
+    want = modelopt_recipe_numpy(w.float().numpy(), weight_scale_2)
+    got_ws2 = np.asarray(q.weight_scale_2.cpu().float().numpy(), dtype=np.float32).reshape(1).view(np.uint32)
+    return (
+        compare_bits("ModelOpt weight_scale_2 bits", got_ws2, np.asarray(want.weight_scale_2).reshape(1).view(np.uint32))
+        or compare_bits("ModelOpt block scale bytes", q.block_scale, want.scale_bytes)
+        or compare_bits("ModelOpt packed codes", q.packed, want.packed)
+    )
+
+
+def check_kernel_recipe_flashinfer(quantize_kernel, swizzle, x: torch.Tensor, global_sf: float) -> Mismatch | None:
+    """``quantize_kernel`` + ``swizzle`` against FlashInfer's CPU model ``quantize_reference``: packed codes and
+    the 128x4-swizzled scale bytes, bit for bit."""
+    from flashinfer.batch_invariant.quantization.nvfp4_reference import quantize_reference
+
+    want_packed, want_sf, _ = quantize_reference(x, global_sf)
+    packed, sf = quantize_kernel(x, global_sf)
+    return (
+        compare_bits("kernel-recipe packed codes vs FlashInfer", packed, want_packed)
+        or compare_bits("kernel-recipe swizzled scales vs FlashInfer", swizzle(sf).view(torch.uint8), want_sf)
+    )

@@ -136,7 +136,9 @@ def quantize_modelopt(w: torch.Tensor, weight_scale_2: torch.Tensor | float | No
     if weight_scale_2 is None:
         weight_scale_2 = decode_scale_from_amax(torch.nan_to_num(w.float().abs(), nan=0.0).amax())
     ws2 = torch.as_tensor(weight_scale_2, dtype=torch.float32, device=w.device).reshape(())
-    sf = e4m3_encode(_block_amax(xb) / E2M1_MAX / ws2)
+    block_amax = _block_amax(xb)
+    # An all-zero block gets scale 0 even when weight_scale_2 is 0 too (an all-zero tensor), instead of 0/0 = NaN.
+    sf = e4m3_encode(torch.where(block_amax == 0, torch.zeros_like(block_amax), block_amax / E2M1_MAX / ws2))
     denom = sf.float().unsqueeze(-1) * ws2
     scaled = torch.where(denom == 0, torch.zeros_like(xb), xb / denom)
     codes = e2m1_encode(scaled).reshape(w.shape)
