@@ -10,7 +10,13 @@ import torch
 
 from .nvfp4 import BLOCK_SIZE, e2m1_decode, e4m3_decode, unpack_nibbles
 
-_N_CHUNK = 4096  # rows of W dequantized at once: bounds the extra memory to one chunk, not one layer
+# Weight elements dequantized at once (64 MiB in fp32): the extra memory is one chunk of W (plus its decode
+# temporaries), never a whole dequantized layer, whatever the layer's size.
+_CHUNK_ELEMENTS = 1 << 24
+
+
+def _chunk_rows(k: int) -> int:
+    return max(1, _CHUNK_ELEMENTS // k)
 
 
 def dense_alpha(weight_scale_2: torch.Tensor) -> torch.Tensor:
@@ -67,14 +73,15 @@ def w4a16_linear(
     xa = xa.reshape(-1, xa.shape[-1])
     n = weight.shape[0]
     out = torch.empty(xa.shape[0], n, dtype=accum_dtype, device=x.device)
-    for start in range(0, n, _N_CHUNK):  # e2m1 * e4m3 is exact in fp32, so chunking changes nothing
-        stop = min(start + _N_CHUNK, n)
+    step = _chunk_rows(xa.shape[-1])
+    for start in range(0, n, step):  # e2m1 * e4m3 is exact in fp32, so chunking changes nothing
+        stop = min(start + step, n)
         w = _dequant_rows(weight, weight_scale, start, stop, accum_dtype)
         out[:, start:stop] = xa @ w.T
         del w
-    out = out * dense_alpha(weight_scale_2).to(accum_dtype)
+    out.mul_(dense_alpha(weight_scale_2).to(accum_dtype))  # in place: peak extra memory stays one output
     if bias is not None:
-        out = out + bias.to(accum_dtype)
+        out.add_(bias.to(accum_dtype))
     return out.reshape(*x.shape[:-1], n).to(out_dtype)
 
 
@@ -94,7 +101,7 @@ def w4a16_linear_exact(
     * ``magnitude = (|x * pqs| @ |W|^T) * alpha`` (no bias): the scale of the accumulation error.
 
     IEEE semantics carry through: a NaN/Inf activation gives a non-finite exact value wherever IEEE fp64
-    says so. Dequantizes ``_N_CHUNK`` rows at a time, like :func:`w4a16_linear`."""
+    says so. Dequantizes ``_CHUNK_ELEMENTS`` weights at a time, like :func:`w4a16_linear`."""
     check_dense_inputs(x, weight, weight_scale, pre_quant_scale, bias)
     f64 = torch.float64
     xa = x.to(f64)
@@ -105,8 +112,9 @@ def w4a16_linear_exact(
     n = weight.shape[0]
     exact = torch.empty(xa.shape[0], n, dtype=f64, device=x.device)
     magnitude = torch.empty_like(exact)
-    for start in range(0, n, _N_CHUNK):
-        stop = min(start + _N_CHUNK, n)
+    step = _chunk_rows(xa.shape[-1])
+    for start in range(0, n, step):
+        stop = min(start + step, n)
         w = _dequant_rows(weight, weight_scale, start, stop, f64)
         exact[:, start:stop] = xa @ w.T
         magnitude[:, start:stop] = xabs @ w.abs().T
