@@ -16,7 +16,7 @@ from ..server.configs import ServerConfig, parse_configs, reference_configs
 from ..server.launcher import REFERENCE_TEMPLATE, ServerProcess, ServerStartError
 from ..server.client import ServerClient
 from ..server.models import DEFAULT_MODELS, FixtureModel, ensure_fixture_root
-from ..server.scenarios import SCENARIOS, Scenario, run_scenario
+from ..server.scenarios import SCENARIOS, Scenario, fresh_outputs, run_scenario
 
 ATTACHED = ServerConfig(1, device="attached", tier="cpu")
 
@@ -116,6 +116,7 @@ class ServerPool:
         self._root = None
         self._servers: dict[tuple[str, str], ServerProcess] = {}
         self._failed: dict[tuple[str, str], str] = {}
+        self._fresh: dict[tuple[str, str], list] = {}
 
     def root(self):
         if self._root is None:
@@ -131,9 +132,12 @@ class ServerPool:
         return FixtureModel(family, self.root())
 
     def client(self, cfg: ServerConfig, model: FixtureModel) -> ServerClient:
-        if cfg is ATTACHED:
-            return ServerClient(self.url)
         key = (cfg.id, model.family)
+        if cfg is ATTACHED:
+            client = ServerClient(self.url)
+            if key not in self._fresh:
+                self._fresh[key] = fresh_outputs(client)
+            return client
         if key in self._failed:
             pytest.fail(f"server {key} failed to start earlier:\n{self._failed[key]}", pytrace=False)
         server = self._servers.get(key)
@@ -145,13 +149,17 @@ class ServerPool:
                 self._failed[key] = str(exc)
                 raise
             self._servers[key] = server
+            client = ServerClient(server.url)
+            self._fresh[key] = fresh_outputs(client)
+            return client
         return ServerClient(server.url)
 
     def run(self, case: ServerCase) -> None:
         model = self.model(case.family)
         client = self.client(case.config, model)
         baseline = self.client(case.config.single_rank(), model) if case.scenario.needs_tp_baseline else None
-        run_scenario(case.scenario, client, model, baseline, case.config.tp, self.timeout)
+        fresh = self._fresh.get((case.config.id, model.family))
+        run_scenario(case.scenario, client, model, baseline, case.config.tp, self.timeout, fresh)
 
     def stop_all(self) -> None:
         for server in self._servers.values():

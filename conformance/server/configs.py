@@ -36,6 +36,7 @@ def reference_configs(gpu_count: int) -> list[ServerConfig]:
     return [
         ServerConfig(1, device="cpu", tier="cpu"),
         ServerConfig(2, device="cpu", tier="cpu"),  # gloo
+        ServerConfig(2, 2, 2, device="cpu", tier="cpu"),  # data-parallel attention + expert parallel, gloo
         ServerConfig(1, device="cuda", tier="cuda"),  # NCCL world of one
         ServerConfig(n, device="cuda", tier="multi_gpu"),
         ServerConfig(n, n, n, device="cuda", tier="multi_gpu"),

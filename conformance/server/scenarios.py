@@ -26,6 +26,8 @@ class ScenarioContext:
     deadline: Deadline
     baseline: ServerClient | None = None  # a TP1 server of the same engine (tp_agreement only)
     tp: int = 1
+    fresh: list[Generation] | None = None  # greedy outputs right after start-up, before any reload
+    name: str = "scenario"
 
 
 # ----------------------------------------------------------------------------------------- helpers
@@ -35,9 +37,19 @@ def _reload(ctx: ScenarioContext, path: str, flush_cache: bool = True) -> None:
 
 
 def _start(ctx: ScenarioContext) -> list[Generation]:
-    """Serve weight set ``a`` and return the greedy baseline for PROMPTS."""
+    """Serve weight set ``a`` (reloading it) and return the greedy baseline for PROMPTS. Reloading the
+    checkpoint the server started with must reproduce the fresh start-up outputs (token ids identical,
+    logprobs within the reload tolerance): a reload path that drops or mangles a tensor shows here."""
     _reload(ctx, ctx.model.a)
-    return _greedy(ctx.client)
+    out = _greedy(ctx.client)
+    if ctx.fresh is not None:
+        _assert_same(ctx.fresh, out, f"{ctx.name}: reloaded {ctx.model.family}-a vs the fresh start-up", RELOAD_LOGPROB_TOL)
+    return out
+
+
+def fresh_outputs(client: ServerClient) -> list[Generation]:
+    """Greedy outputs of a server that has just started (weights loaded by start-up, not by a reload)."""
+    return _greedy(client)
 
 
 def _greedy(client: ServerClient, prompts=PROMPTS) -> list[Generation]:
@@ -231,10 +243,10 @@ SCENARIOS_BY_ID = {s.id: s for s in SCENARIOS}
 
 
 def run_scenario(scenario: Scenario, client: ServerClient, model: FixtureModel, baseline: ServerClient | None = None,
-                 tp: int = 1, timeout_s: float | None = None) -> None:
+                 tp: int = 1, timeout_s: float | None = None, fresh: list[Generation] | None = None) -> None:
     deadline = Deadline(timeout_s or scenario.timeout_s, f"scenario {scenario.id}")
     ctx = ScenarioContext(client.with_deadline(deadline), model, deadline,
-                          baseline.with_deadline(deadline) if baseline else None, tp)
+                          baseline.with_deadline(deadline) if baseline else None, tp, fresh, scenario.id)
     try:
         scenario.run(ctx)
     finally:

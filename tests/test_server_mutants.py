@@ -1,0 +1,90 @@
+"""Every server scenario can fail: each mutant server (tests/mutant_servers.py) is rejected by the named
+scenario, and the correct-but-different server is accepted by all scenarios it touches."""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from conformance.server.launcher import ServerProcess
+from conformance.server.client import ServerClient
+from conformance.server.models import FixtureModel, ensure_fixture_root
+from conformance.server.scenarios import SCENARIOS_BY_ID, fresh_outputs, run_scenario
+
+MUTANT_SCRIPT = Path(__file__).resolve().parent / "mutant_servers.py"
+TEMPLATE = "{python} %s --mutant {mutant} --model-path {model_path} --port {port} --device cpu" % MUTANT_SCRIPT
+
+
+@dataclass(frozen=True)
+class MutantCase:
+    id: str
+    mutant: str
+    family: str
+    scenario: str
+    caught: bool  # True: the scenario must fail; False: it must pass
+    match: str = ""
+
+
+CASES = [
+    MutantCase("keeps-old-weights", "reload_keeps_old_weights", "dense-nvfp4_awq", "reload_different_weights", True,
+               r"reload_different_weights: outputs after loading different weights are identical"),
+    MutantCase("keeps-old-weights-reload", "reload_keeps_old_weights", "dense-nvfp4_awq", "reload_same_checkpoint", True,
+               r"reload_same_checkpoint \(flush_cache=True\)"),
+    MutantCase("drops-awq-scale", "reload_drops_awq_scale", "dense-nvfp4_awq", "reload_same_checkpoint", True,
+               r"reload_same_checkpoint: reloaded dense-nvfp4_awq-a vs the fresh start-up: prompt"),
+    MutantCase("drops-awq-scale-moe", "reload_drops_awq_scale", "moe-nvfp4_awq", "reload_same_checkpoint", True,
+               r"reload_same_checkpoint: reloaded moe-nvfp4_awq-a vs the fresh start-up: prompt"),
+    MutantCase("nondeterministic", "nondeterministic_reduction", "dense-nvfp4_awq", "repeated_requests_deterministic", True,
+               # the first repeat is the reload-vs-fresh comparison at the scenario's start
+               r"repeated_requests_deterministic(: reloaded .* vs the fresh start-up| \(repeat \d\))"),
+    MutantCase("drops-requests", "drops_requests_during_reload", "dense-nvfp4_awq", "generate_during_reload", True,
+               r"generate_during_reload: request \d+ sent during the reload .* was lost or cut short"),
+    MutantCase("half-loaded", "half_loaded_on_failure", "dense-nvfp4_awq", "failed_reload_corrupt_checkpoint", True,
+               r"failed_reload_corrupt_checkpoint \(old weights must keep serving\)"),
+    MutantCase("half-loaded-moe", "half_loaded_on_failure", "moe-w4a16_nvfp4", "failed_reload_corrupt_checkpoint", True,
+               r"failed_reload_corrupt_checkpoint \(old weights must keep serving\)"),
+    # the awq mutant is invisible without AWQ scales: the scenario must not fail spuriously
+    MutantCase("drops-awq-scale-on-non-awq", "reload_drops_awq_scale", "moe-w4a16_nvfp4", "reload_same_checkpoint", False),
+    MutantCase("rebinding-reload-same", "rebinding_reload", "dense-nvfp4_awq", "reload_same_checkpoint", False),
+    MutantCase("rebinding-reload-different", "rebinding_reload", "dense-nvfp4_awq", "reload_different_weights", False),
+    MutantCase("rebinding-reload-concurrent", "rebinding_reload", "dense-nvfp4_awq", "generate_during_reload", False),
+]
+
+
+@pytest.fixture(scope="module")
+def servers():
+    root = ensure_fixture_root(None)
+    live: dict[tuple[str, str], ServerProcess] = {}
+    fresh: dict[tuple[str, str], list] = {}
+
+    def get(mutant: str, family: str):
+        model = FixtureModel(family, root)
+        key = (mutant, family)
+        if key not in live:
+            live[key] = ServerProcess(TEMPLATE, 240.0, mutant=mutant, model_path=model.a)
+            fresh[key] = fresh_outputs(ServerClient(live[key].url))
+        return ServerClient(live[key].url), model, fresh[key]
+
+    yield get
+    for server in live.values():
+        server.stop()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_mutant_server(servers, case: MutantCase):
+    client, model, fresh = servers(case.mutant, case.family)
+    scenario = SCENARIOS_BY_ID[case.scenario]
+    if case.caught:
+        with pytest.raises(AssertionError, match=case.match):
+            run_scenario(scenario, client, model, timeout_s=90, fresh=fresh)
+    else:
+        run_scenario(scenario, client, model, timeout_s=90, fresh=fresh)
+
+
+def test_mutant_script_rejects_unknown_mutant():
+    import subprocess
+
+    r = subprocess.run([sys.executable, str(MUTANT_SCRIPT), "--mutant", "nope"], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "usage" in r.stderr
