@@ -1,0 +1,185 @@
+"""Expectation files (--expectations): known failures become strict xfails, unsupported cases skip with
+the reason, an expected failure that passes fails the run, and an entry matching no test fails the run,
+unless the run did not collect the part of the suite the entry points into.
+
+Integration tests run pytest on probe modules in a temporary directory (one of them under pytest-xdist,
+so the outcomes are seen through the controller) and read the JSON summary."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conformance._plugins.expectations import Expectation, ExpectationFileError, in_scope, load_expectations
+
+REPO = Path(__file__).resolve().parent.parent
+GATE = REPO / "ci" / "run_conformance.py"
+
+PROBE_DENSE = '''
+def test_known_bug():
+    assert False, "planted failure"
+
+def test_fixed_bug():
+    pass
+
+def test_new_bug():
+    assert False, "planted unexpected failure"
+'''
+PROBE_MOE = '''
+def test_moe_case():
+    assert False, "would fail: this backend has no MoE"
+'''
+GOOD = '''
+[[xfail]]
+id = "test_dense.py::test_known_bug"
+reason = "known rounding bug"
+link = "https://example.com/issues/1"
+
+[[unsupported]]
+id = "test_moe.py::"
+reason = "no fused MoE"
+'''
+BAD = GOOD + '''
+[[xfail]]
+id = "test_dense.py::test_fixed_bug"
+reason = "was broken once"
+
+[[xfail]]
+id = "test_dense.py::test_renamed"
+reason = "points at a test that no longer exists"
+'''
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    return env
+
+
+@pytest.fixture
+def probe(tmp_path: Path) -> Path:
+    (tmp_path / "conftest.py").write_text('pytest_plugins = ["conformance.plugin"]\n')
+    (tmp_path / "test_dense.py").write_text(textwrap.dedent(PROBE_DENSE))
+    (tmp_path / "test_moe.py").write_text(textwrap.dedent(PROBE_MOE))
+    (tmp_path / "good.toml").write_text(GOOD)
+    (tmp_path / "bad.toml").write_text(BAD)
+    return tmp_path
+
+
+def run(probe: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--report-dir", "out", *args],
+                          cwd=probe, env=_env(), capture_output=True, text=True, timeout=300)
+    path = probe / "out" / "summary.json"
+    summary = json.loads(path.read_text()) if path.exists() else {}
+    return proc, {t["nodeid"]: t for t in summary.get("tests", [])}
+
+
+def test_outcomes_under_xdist(probe):
+    proc, tests = run(probe, "--expectations", "bad.toml", "-n", "2")
+    assert proc.returncode == 1
+    assert tests["test_dense.py::test_known_bug"]["outcome"] == "xfailed"
+    assert "known rounding bug (https://example.com/issues/1)" in tests["test_dense.py::test_known_bug"]["message"]
+    assert tests["test_dense.py::test_fixed_bug"]["outcome"] == "xpass_strict"  # fixed: the entry must go
+    assert tests["test_dense.py::test_new_bug"]["outcome"] == "failed"
+    assert tests["test_moe.py::test_moe_case"]["outcome"] == "skipped"
+    assert tests["test_moe.py::test_moe_case"]["message"] == "unsupported: no fused MoE"
+    stale = tests["bad.toml::stale[test_dense.py::test_renamed]"]
+    assert stale["outcome"] == "failed" and stale["area"] == "expectations" and stale["repro"] is None
+    assert "matches no collected test" in stale["message"]
+
+
+def test_covered_failures_pass_the_run(probe):
+    proc, tests = run(probe, "--expectations", "good.toml", "--deselect", "test_dense.py::test_new_bug")
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert {t["outcome"] for t in tests.values()} == {"xfailed", "passed", "skipped"}
+
+
+def test_strict_xpass_alone_fails_the_run(probe):
+    (probe / "xpass.toml").write_text('[[xfail]]\nid = "test_dense.py::test_fixed_bug"\nreason = "r"\n')
+    proc, tests = run(probe, "--expectations", "xpass.toml", "test_dense.py::test_fixed_bug")
+    assert proc.returncode == 1 and tests["test_dense.py::test_fixed_bug"]["outcome"] == "xpass_strict"
+
+
+def test_stale_entry_alone_fails_the_run(probe):
+    (probe / "stale.toml").write_text('[[unsupported]]\nid = "test_dense.py::test_gone"\nreason = "r"\n')
+    proc, tests = run(probe, "--expectations", "stale.toml", "-k", "fixed")
+    assert proc.returncode == 1
+    assert tests["stale.toml::stale[test_dense.py::test_gone]"]["outcome"] == "failed"
+
+
+def test_entries_for_deselected_or_uncollected_tests_are_not_stale(probe):
+    # -k deselects the xfail'd test; running one file leaves test_moe.py out of scope
+    proc, tests = run(probe, "--expectations", "good.toml", "test_dense.py", "-k", "fixed")
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert list(tests) == ["test_dense.py::test_fixed_bug"]
+
+
+def test_gate_exit_code_follows_expectations(probe, tmp_path_factory):
+    out = tmp_path_factory.mktemp("gate")
+    base = [sys.executable, str(GATE), "--tier", "cpu", "--rootdir", str(probe), "--tests", ".", "--workers", "0"]
+    bad = subprocess.run([*base, "--out", str(out / "bad"), "--expectations", str(probe / "bad.toml")],
+                         env=_env(), capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1 and "xpass_strict: test_dense.py::test_fixed_bug" in bad.stdout
+    good = subprocess.run([*base, "--out", str(out / "good"), "--expectations", str(probe / "good.toml"),
+                           "--", "--deselect", "test_dense.py::test_new_bug"],
+                          env=_env(), capture_output=True, text=True, timeout=300)
+    assert good.returncode == 0, good.stdout[-2000:]
+    report = (out / "good" / "report.md").read_text()
+    assert "## Expected failures" in report and "known rounding bug" in report
+
+
+def test_malformed_file_is_a_usage_error(probe):
+    (probe / "typo.toml").write_text('[[xfail]]\nid = "test_dense.py::x"\nreasn = "typo"\n')
+    proc, _ = run(probe, "--expectations", "typo.toml")
+    assert proc.returncode == 4  # pytest's usage-error exit status
+    assert "unknown key(s) ['reasn']" in proc.stderr
+
+
+# ------------------------------------------------------------------------------ parsing
+@pytest.mark.parametrize("text,message", [
+    ('[[xfail]]\nid = "a"\n', "'reason' must be a non-empty string"),
+    ('[[xfail]]\nid = ""\nreason = "r"\n', "'id' must be a non-empty string"),
+    ('[[skip]]\nid = "a"\nreason = "r"\n', "unknown section(s) ['skip']"),
+    ('xfail = "a"\n', "'xfail' must be an array of tables"),
+    ('[[xfail]]\nid = "a"\nreason = "r"\n[[unsupported]]\nid = "a"\nreason = "r"\n', "listed twice"),
+    ('[[xfail]\n', "is not valid TOML"),
+])
+def test_load_rejects_bad_files(tmp_path, text, message):
+    path = tmp_path / "e.toml"
+    path.write_text(text)
+    with pytest.raises(ExpectationFileError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        load_expectations(path)
+
+
+def test_load_reads_both_kinds(tmp_path):
+    path = tmp_path / "e.toml"
+    path.write_text(GOOD)
+    assert load_expectations(path) == [
+        Expectation("xfail", "test_dense.py::test_known_bug", "known rounding bug", "https://example.com/issues/1"),
+        Expectation("unsupported", "test_moe.py::", "no fused MoE", None),
+    ]
+
+
+def test_missing_file_is_an_error(tmp_path):
+    with pytest.raises(ExpectationFileError, match="cannot read expectations file"):
+        load_expectations(tmp_path / "nope.toml")
+
+
+@pytest.mark.parametrize("entry,scopes,expected", [
+    ("conformance/test_dense.py::test_a[x]", [""], True),
+    ("conformance/test_dense.py::test_a[x]", ["conformance"], True),
+    ("conformance/test_dense.py::test_a[x]", ["conformance/test_dense.py"], True),
+    ("conformance/test_dense.py::test_a[x]", ["conformance/test_dense.py::test_a"], True),
+    ("conformance/test_dense.py::test_a[x]", ["conformance/test_moe.py"], False),
+    ("conformance/test_dense.py::test_a[x]", ["conformance/test_dense.py::test_b"], False),
+    ("conformance/test_dense.py::test_a[x]", ["conformance/test_dense.py::test_a[y]"], False),
+    ("conformance/test_densely.py::t", ["conformance/test_dense.py"], False),
+    ("conformance/", ["conformance"], True),
+])
+def test_in_scope(entry, scopes, expected):
+    assert in_scope(entry, scopes) is expected
