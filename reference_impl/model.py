@@ -347,5 +347,5 @@ class TinyModel:
     def last_logits(self, seqs: list[torch.Tensor]) -> torch.Tensor:
         """Logits ``[len(seqs), V]`` (fp64) at each sequence's last position."""
         h = self.hidden_states(seqs)
-        ends = torch.tensor([int(s.numel()) for s in seqs], device=h.device).cumsum(0) - 1
+        ends = torch.tensor([int(s.numel()) for s in seqs], dtype=torch.long, device=h.device).cumsum(0) - 1
         return h[ends].double() @ self.w["lm_head.weight"].double().T

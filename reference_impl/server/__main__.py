@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import threading
 import sys
 from pathlib import Path
 
@@ -35,6 +37,18 @@ def resolve_device(choice: str, world: int) -> str:
     return choice
 
 
+def _exit_if_a_rank_dies(workers) -> None:
+    """A dead rank leaves the others blocked in collectives: stop the whole server so health checks fail."""
+    import time
+
+    while all(p.exitcode is None for p in workers):
+        time.sleep(0.5)
+    dead = [p.name for p in workers if p.exitcode not in (None, 0)]
+    if dead:
+        print(f"reference server: {', '.join(dead)} died; exiting", file=sys.stderr, flush=True)
+        os._exit(1)
+
+
 def launch(args: argparse.Namespace, runtime_cls=RankRuntime, scheduler_cls=None) -> None:
     """Start ranks 1..N-1 as processes, build rank 0 and serve until interrupted."""
     import torch.multiprocessing as mp
@@ -59,6 +73,8 @@ def launch(args: argparse.Namespace, runtime_cls=RankRuntime, scheduler_cls=None
             p = ctx.Process(target=worker_main, args=(rank, cfg), daemon=True, name=f"rank{rank}")
             p.start()
             workers.append(p)
+    if workers:
+        threading.Thread(target=_exit_if_a_rank_dies, args=(workers,), daemon=True).start()
     runtime = runtime_cls(0, cfg)
     scheduler = (scheduler_cls or Scheduler)(runtime)
     info = {"tokenizer_path": str(tok_path), "device": device,
