@@ -48,3 +48,20 @@ def test_backend_option_runs_a_mutant_end_to_end():
     assert done.returncode == 1, f"expected test failures (exit 1), got {done.returncode}:\n{done.stdout}\n{done.stderr}"
     assert "outside the derived error bound" in done.stdout, done.stdout[-3000:]
     assert "[NibbleSwapped-cpu-" in done.stdout, "the test ids should name the backend under test"
+
+
+def test_docs_adapter_example_is_correct():
+    """The vendor adapter example in docs/dense.md runs and passes every check (a correct variant too)."""
+    import re
+
+    text = (REPO / "docs" / "dense.md").read_text()
+    source = re.search(r"```python\n(# my_adapter\.py.*?)```", text, re.S).group(1)
+    namespace: dict = {}
+    exec(compile(source, "docs/dense.md:my_adapter.py", "exec"), namespace)
+    backend = namespace["MyW4A16"]()
+    for case in CPU_CASES:
+        if case.id in ("cpu-awq-bias-3d", "cpu-fused-qkv-3-scales", "cpu-noncontiguous-3d", "cpu-nonfinite-3d-bias"):
+            assert backend.skip_reason(case.info()) is None
+            assert failing_checks(backend, case) == {}, case.id
+    declined = next(c for c in CPU_CASES if c.k % 32)
+    assert "K % 32" in backend.skip_reason(declined.info())
