@@ -169,7 +169,12 @@ def shard_weights(cfg: ModelConfig, tensors: dict[str, torch.Tensor], layout: La
         out[name] = tensors[name]
     hd, a = cfg.head_dim, layout
     q_rows = _split(cfg.num_heads, a.attn_size, a.attn_rank, "attention heads")
-    kv_rows = _split(cfg.num_kv_heads, a.attn_size, a.attn_rank, "key/value heads")
+    if cfg.num_kv_heads < a.attn_size and a.attn_size % cfg.num_kv_heads == 0:
+        # more ranks than KV heads: each KV head is replicated on attn_size / num_kv_heads ranks
+        kv = a.attn_rank // (a.attn_size // cfg.num_kv_heads)
+        kv_rows = slice(kv, kv + 1)
+    else:
+        kv_rows = _split(cfg.num_kv_heads, a.attn_size, a.attn_rank, "key/value heads")
     q_rows, kv_rows = slice(q_rows.start * hd, q_rows.stop * hd), slice(kv_rows.start * hd, kv_rows.stop * hd)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}"

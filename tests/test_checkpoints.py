@@ -126,12 +126,27 @@ def test_shards_partition_the_weights(ckpt_root, layout):
     cfg = validate_checkpoint(ckpt)
     shard = shard_weights(cfg, ckpt.tensors, layout)
     full = ckpt.tensors
-    r = layout.attn_rank
+    r, cols = layout.attn_rank, cfg.num_heads * cfg.head_dim // layout.attn_size  # o_proj input columns per rank
     o = "model.layers.0.self_attn.o_proj"
-    assert torch.equal(shard[f"{o}.weight"], full[f"{o}.weight"][:, r * 32:(r + 1) * 32])
-    assert torch.equal(shard[f"{o}.weight_scale"].view(torch.uint8), full[f"{o}.weight_scale"][:, r * 4:(r + 1) * 4].view(torch.uint8))
+    assert torch.equal(shard[f"{o}.weight"], full[f"{o}.weight"][:, r * cols // 2:(r + 1) * cols // 2])
+    assert torch.equal(shard[f"{o}.weight_scale"].view(torch.uint8),
+                       full[f"{o}.weight_scale"][:, r * cols // 16:(r + 1) * cols // 16].view(torch.uint8))
+    assert torch.equal(shard[f"{o}.pre_quant_scale"], full[f"{o}.pre_quant_scale"][r * cols:(r + 1) * cols])
+    per_rank = cfg.num_experts // layout.ep_size
     experts = {int(k.split(".")[5]) for k in shard if ".experts." in k}
-    assert experts == (set(range(layout.ep_rank * 4, layout.ep_rank * 4 + 4)) if layout.ep_size == 2 else set(range(8)))
+    assert experts == set(range(layout.ep_rank * per_rank, (layout.ep_rank + 1) * per_rank))
+
+
+def test_kv_heads_are_replicated_beyond_their_count(ckpt_root):
+    """TP4 over 2 KV heads: ranks 0,1 hold KV head 0 and ranks 2,3 KV head 1 (as engines replicate)."""
+    ckpt = load_checkpoint(ckpt_root / checkpoint_name("dense", "NVFP4", "a"))
+    cfg = validate_checkpoint(ckpt)
+    assert cfg.num_kv_heads == 2
+    k, hd = "model.layers.0.self_attn.k_proj.weight", cfg.head_dim
+    for rank in range(4):
+        shard = shard_weights(cfg, ckpt.tensors, Layout(attn_rank=rank, attn_size=4))
+        head = rank // 2
+        assert torch.equal(shard[k], ckpt.tensors[k][head * hd:(head + 1) * hd])
 
 
 # ----------------------------------------------------------------------------------------- malformed checkpoints
@@ -146,7 +161,7 @@ MALFORMED = [
     Malformed("missing-tensor", "drop:model.layers.1.mlp.down_proj.weight_scale", r"missing tensor 'model\.layers\.1\.mlp\.down_proj\.weight_scale'"),
     Malformed("missing-awq-scale", "drop:model.layers.0.self_attn.q_proj.pre_quant_scale", r"missing tensor '.*q_proj\.pre_quant_scale'"),
     Malformed("wrong-dtype", "dtype:model.layers.0.self_attn.q_proj.weight_scale", r"'model\.layers\.0\.self_attn\.q_proj\.weight_scale' has dtype torch\.float32, expected torch\.float8_e4m3fn"),
-    Malformed("wrong-shape", "shape:model.layers.0.mlp.up_proj.weight", r"'model\.layers\.0\.mlp\.up_proj\.weight' has shape \(255, 64\), expected \(256, 64\)"),
+    Malformed("wrong-shape", "shape:model.layers.0.mlp.up_proj.weight", r"'model\.layers\.0\.mlp\.up_proj\.weight' has shape \(511, 128\), expected \(512, 128\)"),
     Malformed("bad-global-scale", "zero:model.layers.0.mlp.up_proj.weight_scale_2", r"'model\.layers\.0\.mlp\.up_proj\.weight_scale_2' must be finite and positive"),
     Malformed("bad-algo", "algo:FP4_MAGIC", r"quant_algo 'FP4_MAGIC' is not one of"),
     Malformed("bad-group-size", "group:32", r"group_size 32 is not 16"),
