@@ -5,10 +5,10 @@ machine has), write the reports, and exit non-zero exactly when the gate fails.
     python ci/run_conformance.py --backend reference --tier cpu --out reports/reference
     python ci/run_conformance.py --backend flashinfer --tier all --out reports/flashinfer -- -k dense
 
-Runs: ``--tier all`` runs pytest once with pytest-xdist for everything except the GPU tiers this machine
-offers (tests of tiers it lacks are collected and skipped with the reason, so they are counted), then once
-per available GPU tier, serially (GPU cases share one device). A named tier the machine lacks is a
-configuration error. Each run writes ``<out>/<tier>/{junit.xml,summary.json,report.md,artifacts/}``; the
+Runs: the ``cpu`` run (pytest-xdist) holds every test except those of the GPU tiers this machine offers;
+tests of tiers it lacks are collected there and skipped with the reason, so they are counted. ``--tier all``
+adds one serial run per GPU tier the machine offers (GPU cases share one device); ``--tier cuda`` (etc.)
+runs only that tier, and is a configuration error on a machine without it. Each run writes ``<out>/<tier>/{junit.xml,summary.json,report.md,artifacts/}``; the
 gate merges them into ``<out>/{junit.xml,summary.json,report.md}``.
 
 Gate verdict: FAIL (exit 1) when a test fails or errors and no expectation covers it, when an expected
@@ -67,20 +67,23 @@ def default_expectations(spec: str) -> Path | None:
 
 
 def plan_runs(tier: str) -> tuple[list[tuple[str, str | None, bool]], dict[str, str]]:
-    """``[(run name, -m expression or None, parallel)]`` and the tiers not run, with reasons."""
+    """``[(run name, -m expression or None, parallel)]`` and the tiers not run, with reasons.
+
+    The ``cpu`` run holds every test except those of the GPU tiers this machine has: tests of tiers it
+    lacks are collected there and skipped with the reason, so the report counts them. Each GPU tier the
+    machine has gets its own serial run (``--tier all``, or that tier named)."""
     hw = detect_hardware()
+    present = [t for t in GPU_TIERS if tier_skip_reason(t, hw) is None]
+    absent = {t: tier_skip_reason(t, hw) for t in GPU_TIERS if t not in present}
+    cpu_run = ("cpu", f"not ({' or '.join(present)})" if present else None, True)
     if tier == "all":
-        present = [t for t in GPU_TIERS if tier_skip_reason(t, hw) is None]
-        absent = {t: tier_skip_reason(t, hw) for t in GPU_TIERS if t not in present}
-        cpu_expr = f"not ({' or '.join(present)})" if present else None
-        return [("cpu", cpu_expr, True)] + [(t, t, False) for t in present], absent
+        return [cpu_run] + [(t, t, False) for t in present], absent
+    if tier == "cpu":
+        return [cpu_run], absent
     if tier not in TIERS:
         raise GateConfigError(f"unknown tier {tier!r}; use one of {', '.join(TIERS)} or 'all'")
-    reason = tier_skip_reason(tier, hw)
-    if reason:
-        raise GateConfigError(f"tier {tier!r} is not present on this machine: {reason}")
-    if tier == "cpu":
-        return [("cpu", f"not ({' or '.join(GPU_TIERS)})", True)], {}
+    if tier in absent:
+        raise GateConfigError(f"tier {tier!r} is not present on this machine: {absent[tier]}")
     return [(tier, tier, False)], {}
 
 
