@@ -273,7 +273,9 @@ def pytest_collectreport(report: pytest.CollectReport) -> None:
     if state is None or not report.failed:
         return
     rec = state.record(report.nodeid or ".", {})
-    rec.update("error", "collection error: " + _message(report))
+    lines = [ln.strip() for ln in str(report.longrepr).splitlines() if ln.strip()]
+    errors = [ln.removeprefix("E").strip() for ln in lines if ln.startswith("E ")]
+    rec.update("error", "collection error: " + (" / ".join(errors) or (lines[-1] if lines else ""))[:500])
     rec.repro = state.repro(report.nodeid) if report.nodeid else None
 
 
