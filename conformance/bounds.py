@@ -43,13 +43,14 @@ def dense_error_bound(
     """Per-element bound on ``|y - y*|`` for a conforming W4A16 dense layer, fp64, shape of ``exact``.
 
     Notation: ``x' = x * pre_quant_scale`` (exact), ``W = e2m1 * e4m3`` (exact in any float format with
-    >= 5 significant bits), ``alpha = max(weight_scale_2)`` (the SPEC section 2 contract), ``b`` the bias,
+    >= 6 significant bits: 2 of e2m1 times 4 of e4m3), ``alpha = max(weight_scale_2)`` (the SPEC section 2
+    contract), ``b`` the bias,
     ``y* = alpha * (x' @ W^T) + b`` and ``A = alpha * (|x'| @ |W|^T)`` (``magnitude``). Terms:
 
     1. **Output rounding to bf16**: ``U_BF16 * |y*|``. The result is bf16; round-to-nearest moves a value
        by at most half an ulp, 2^-8 relative.
-    2. **Accumulation**: ``gamma_{K+2} * A``. The products ``x_k * w_k`` are exact in fp32 (8 x 5 significant
-       bits); any summation order of K terms in fp32 errs by at most ``gamma_{K-1} * sum|terms|`` (Higham,
+    2. **Accumulation**: ``gamma_{K+2} * A``. The products ``x_k * w_k`` are exact in fp32 (8 x 6 = 14
+       significant bits; 22 with an AWQ-scaled fp32 ``x'``); any summation order of K terms in fp32 errs by at most ``gamma_{K-1} * sum|terms|`` (Higham,
        Accuracy and Stability, 3.1), one rounding more for ``* alpha`` and one for folding ``alpha`` or a
        bias in fp32: ``K + 2`` in all. Split-K, reversed order, tree reductions and atomics all fit.
        ``U_ACCUM`` is a full ulp because tensor cores truncate (see its comment).

@@ -96,7 +96,7 @@ def w4a16_linear_exact(
     """The exact value and its magnitude, both fp64 ``[..., N]``, for error bounds:
 
     * ``y_exact = ((x * pqs) @ W^T) * alpha + bias`` evaluated in fp64. Every product ``x * pqs`` (two bf16,
-      16 significant bits) and ``x' * w`` (with ``w = e2m1 * e4m3``, 5 bits) is exact in fp64; the only fp64
+      16 significant bits) and ``x' * w`` (with ``w = e2m1 * e4m3``, 6 bits) is exact in fp64; the only fp64
       rounding is in the K-sum, relative error <= K * 2^-53, some 2^29 times below fp32's and negligible here.
     * ``magnitude = (|x * pqs| @ |W|^T) * alpha`` (no bias): the scale of the accumulation error.
 
