@@ -52,8 +52,9 @@ def dense_error_bound(
     2. **Accumulation**: ``gamma_{K+2} * A``. The products ``x_k * w_k`` are exact in fp32 (8 x 6 = 14
        significant bits; 22 with an AWQ-scaled fp32 ``x'``); any summation order of K terms in fp32 errs
        by at most ``gamma_{K-1} * sum|terms|`` (Higham, Accuracy and Stability, 3.1), one rounding more
-       for ``* alpha`` and one for folding ``alpha`` or a bias in fp32: ``K + 2`` in all. Split-K, reversed order, tree reductions and atomics all fit.
-       ``U_ACCUM`` is a full ulp because tensor cores truncate (see its comment).
+       for ``* alpha`` and one for folding ``alpha`` or a bias in fp32: ``K + 2`` in all. Split-K,
+       reversed order, tree reductions and atomics all fit. ``U_ACCUM`` is a full ulp because tensor cores
+       truncate (see its comment).
     3. **Weight rounding**: ``U_BF16 * A``. A legitimate implementation may dequantize
        ``e2m1 * e4m3 * weight_scale_2`` in fp32 and round the weight to bf16 for a BF16 GEMM: each weight then
        carries a relative error <= 2^-8, which the sum turns into at most ``2^-8 * A``.
