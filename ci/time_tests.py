@@ -1,0 +1,121 @@
+#!/usr/bin/env python3
+"""Time the self-tests' CPU tier and print the time per test file.
+
+Runs ``python -m pytest tests -n 2`` restricted to the CPU tier (every GPU tier marker deselected), records a JUnit
+XML report, and prints one row per test file: tests, passed/failed/skipped, and the seconds its tests took (setup +
+call + teardown, summed over the xdist workers), then the whole run's wall time. Exits non-zero when the wall time
+exceeds ``--budget`` seconds, when a test fails, or when nothing was collected.
+
+    python ci/time_tests.py                 # budget 120 s
+    python ci/time_tests.py --budget 60 -- -k oracles
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+GPU_TIERS = ("cuda", "sm90", "b200", "multi_gpu", "b200_4gpu")
+CPU_TIER_EXPRESSION = "not (" + " or ".join(GPU_TIERS) + ")"
+
+
+@dataclass
+class FileTiming:
+    tests: int = 0
+    passed: int = 0
+    failed: int = 0
+    skipped: int = 0
+    seconds: float = 0.0
+
+
+def parse_junit(path: Path) -> dict[str, FileTiming]:
+    """Per-file totals from a JUnit XML written with ``junit_family=xunit1`` (which records each test's file)."""
+    per_file: dict[str, FileTiming] = defaultdict(FileTiming)
+    for case in ET.parse(path).getroot().iter("testcase"):
+        name = case.get("file") or _file_from_classname(case.get("classname", ""))
+        row = per_file[name]
+        row.tests += 1
+        row.seconds += float(case.get("time", 0.0))
+        if case.find("failure") is not None or case.find("error") is not None:
+            row.failed += 1
+        elif case.find("skipped") is not None:
+            row.skipped += 1
+        else:
+            row.passed += 1
+    return dict(per_file)
+
+
+def _file_from_classname(classname: str) -> str:
+    parts = classname.split(".")
+    for n in range(len(parts), 0, -1):  # "tests.test_x.TestClass" -> tests/test_x.py
+        candidate = "/".join(parts[:n]) + ".py"
+        if (REPO / candidate).is_file():
+            return candidate
+    return classname or "<unknown>"
+
+
+def format_table(per_file: dict[str, FileTiming], wall: float, workers: int) -> str:
+    header = f"{'test file':<44} {'tests':>6} {'pass':>6} {'fail':>5} {'skip':>5} {'seconds':>9}"
+    lines = [header, "-" * len(header)]
+    for name, row in sorted(per_file.items(), key=lambda kv: -kv[1].seconds):
+        lines.append(f"{name:<44} {row.tests:>6} {row.passed:>6} {row.failed:>5} {row.skipped:>5} {row.seconds:>9.2f}")
+    total = FileTiming()
+    for row in per_file.values():
+        for f in ("tests", "passed", "failed", "skipped"):
+            setattr(total, f, getattr(total, f) + getattr(row, f))
+        total.seconds += row.seconds
+    lines.append("-" * len(header))
+    lines.append(f"{'sum over files':<44} {total.tests:>6} {total.passed:>6} {total.failed:>5} {total.skipped:>5} "
+                 f"{total.seconds:>9.2f}")
+    lines.append(f"{f'wall time of the run (-n {workers}, incl. start-up)':<72} {wall:>9.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--budget", type=float, default=120.0, help="maximum wall seconds (default 120)")
+    parser.add_argument("--workers", type=int, default=2, help="pytest-xdist workers (default 2)")
+    parser.add_argument("--paths", nargs="+", default=["tests"], help="test paths (default: tests)")
+    parser.add_argument("--junit", type=Path, help="keep the JUnit XML here")
+    parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
+    args = parser.parse_args(argv)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        junit = args.junit or Path(tmp) / "junit.xml"
+        cmd = [sys.executable, "-m", "pytest", *args.paths, "-n", str(args.workers), "-m", CPU_TIER_EXPRESSION,
+               f"--junitxml={junit}", "-o", "junit_family=xunit1", "-q", "-p", "no:cacheprovider", *args.pytest_args]
+        print("running:", " ".join(cmd), flush=True)
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ), capture_output=True, text=True)
+        wall = time.perf_counter() - start
+        summary = [ln for ln in proc.stdout.splitlines() if ln.strip()][-1:] or ["(no pytest output)"]
+        if not junit.is_file():
+            print(proc.stdout[-4000:], proc.stderr[-4000:], sep="\n")
+            print(f"FAIL: pytest wrote no JUnit report (exit code {proc.returncode})")
+            return 1
+        per_file = parse_junit(junit)
+
+    print(format_table(per_file, wall, args.workers))
+    print("pytest:", summary[0])
+    problems = []
+    if proc.returncode == 5 or not per_file:
+        problems.append("no tests collected")
+    elif proc.returncode != 0:
+        problems.append(f"pytest exit code {proc.returncode} (failures above)")
+        print(proc.stdout[-6000:])
+    if wall > args.budget:
+        problems.append(f"wall time {wall:.1f} s exceeds the budget of {args.budget:.0f} s")
+    print("FAIL: " + "; ".join(problems) if problems else f"OK: {wall:.1f} s within the budget of {args.budget:.0f} s")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
