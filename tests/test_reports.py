@@ -224,3 +224,37 @@ def test_merge_keeps_every_tier_runs_tests_and_skipped_tiers():
     assert merged["tiers"] == {"run": ["cpu", "cuda"], "skipped": {"b200": "needs SM100/SM103"}}
     assert merged["verdict"] == "pass"
     assert render_markdown(merged).startswith("# NVFP4 W4A16 conformance report\n\n**Verdict: PASS**")
+
+
+# ------------------------------------------------------------------------------ tier plan
+def _gate_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("run_conformance", GATE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tier_plan_on_an_h200(monkeypatch):
+    from conformance.tiers import Gpu, Hardware
+
+    gate = _gate_module()
+    monkeypatch.setattr(gate, "detect_hardware", lambda: Hardware((Gpu("NVIDIA H200", (9, 0)),)))
+    runs, absent = gate.plan_runs("all")
+    # xdist for everything but the present GPU tiers; those run serially, one run each
+    assert runs == [("cpu", "not (cuda or sm90)", True), ("cuda", "cuda", False), ("sm90", "sm90", False)]
+    assert set(absent) == {"b200", "multi_gpu", "b200_4gpu"}
+    assert gate.plan_runs("cuda") == ([("cuda", "cuda", False)], {})
+    with pytest.raises(gate.GateConfigError, match="tier 'b200' is not present on this machine: needs SM100/SM103"):
+        gate.plan_runs("b200")
+
+
+def test_tier_plan_on_a_cpu_machine_counts_every_gpu_test_as_skipped(monkeypatch):
+    from conformance.tiers import Hardware
+
+    gate = _gate_module()
+    monkeypatch.setattr(gate, "detect_hardware", lambda: Hardware())
+    runs, absent = gate.plan_runs("cpu")
+    assert runs == [("cpu", None, True)] and set(absent) == {"cuda", "sm90", "b200", "multi_gpu", "b200_4gpu"}
+    assert gate.plan_runs("all") == (runs, absent)
