@@ -160,8 +160,9 @@ class TensorSpec:
 
 
 def linear_specs(prefix: str, out_features: int, in_features: int, quant: QuantConfig,
-                 float_dtype: torch.dtype = torch.bfloat16) -> list[TensorSpec]:
-    """The tensors of linear ``prefix`` ([out, in]) under ``quant``: NVFP4 unless excluded."""
+                 float_dtype: torch.dtype = torch.bfloat16, awq_applies: bool = True) -> list[TensorSpec]:
+    """The tensors of linear ``prefix`` ([out, in]) under ``quant``: NVFP4 unless excluded. ``awq_applies``
+    False (MoE experts) means no ``pre_quant_scale`` is expected even under NVFP4_AWQ."""
     if quant.is_excluded(prefix):
         return [TensorSpec(f"{prefix}.weight", float_dtype, (out_features, in_features))]
     if in_features % GROUP_SIZE:
@@ -172,7 +173,7 @@ def linear_specs(prefix: str, out_features: int, in_features: int, quant: QuantC
         TensorSpec(f"{prefix}.weight_scale_2", torch.float32, ()),
         TensorSpec(f"{prefix}.input_scale", torch.float32, (), required=quant.requires_input_scale),
     ]
-    if quant.is_awq:
+    if quant.is_awq and awq_applies:
         specs.append(TensorSpec(f"{prefix}.pre_quant_scale", float_dtype, (in_features,)))
     return specs
 

@@ -22,7 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from .checkpoint import Checkpoint, CheckpointError, QuantConfig, TensorSpec, check_tensors, linear_specs
+from .moe import fused_moe_w4a16
 from .nvfp4 import BLOCK_SIZE, e2m1_decode, e4m3_decode, unpack_nibbles
+from .routing import softmax_topk
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3_moe"}
 
@@ -132,7 +134,7 @@ def checkpoint_specs(cfg: ModelConfig, quant: QuantConfig) -> list[TensorSpec]:
                       TensorSpec(f"{p}.self_attn.k_norm.weight", bf16, (cfg.head_dim,)),
                       TensorSpec(f"{p}.mlp.gate.weight", bf16, (cfg.num_experts, h))]
     for prefix, n, k in _linear_names(cfg):
-        specs += linear_specs(prefix, n, k, quant)
+        specs += linear_specs(prefix, n, k, quant, awq_applies=".experts." not in prefix)
     return specs
 
 
@@ -155,7 +157,7 @@ def _slice_linear(t: dict, prefix: str, rows: slice | None, cols: slice | None) 
     out["weight"] = w[rows or slice(None)][:, packed_cols]
     out["weight_scale"] = t[f"{prefix}.weight_scale"][rows or slice(None)][:, scale_cols]
     out["weight_scale_2"] = t[f"{prefix}.weight_scale_2"].float().reshape(())
-    pqs = t.get(f"{prefix}.pre_quant_scale")
+    pqs = t.get(f"{prefix}.pre_quant_scale") if ".experts." not in prefix else None  # MoE: no AWQ (as engines)
     if pqs is not None:
         out["pre_quant_scale"] = pqs[cols or slice(None)]
     return {k: v.contiguous().clone() for k, v in out.items()}
@@ -199,6 +201,42 @@ def shard_weights(cfg: ModelConfig, tensors: dict[str, torch.Tensor], layout: La
     return {k: v.to(device) for k, v in out.items()}
 
 
+@dataclass(frozen=True)
+class _LocalExperts:
+    """This rank's experts of one MoE layer in the form :mod:`reference_impl.moe` reads: W13 as halves
+    ``[gate; up]`` (this rank's intermediate slice of each), per-expert (gate, up) and down decode scales."""
+
+    w13: torch.Tensor
+    w13_scale: torch.Tensor
+    w13_scale_2: torch.Tensor
+    w2: torch.Tensor
+    w2_scale: torch.Tensor
+    w2_scale_2: torch.Tensor
+    ep_rank: int
+    activation: str = "swiglu"
+    activation_params: dict | None = None
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.w13.shape[0]
+
+
+def _stack_experts(w: dict, p: str, local: list[int], num_experts: int) -> _LocalExperts:
+    def field_of(e, proj, f):
+        return w[f"{p}.experts.{e}.{proj}.{f}"]
+
+    w13 = torch.stack([torch.cat([field_of(e, "gate_proj", "weight"), field_of(e, "up_proj", "weight")]) for e in local])
+    s13 = torch.stack([torch.cat([field_of(e, "gate_proj", "weight_scale"), field_of(e, "up_proj", "weight_scale")])
+                       for e in local])
+    ws13 = torch.stack([torch.stack([field_of(e, "gate_proj", "weight_scale_2"), field_of(e, "up_proj", "weight_scale_2")])
+                        for e in local])
+    w2 = torch.stack([field_of(e, "down_proj", "weight") for e in local])
+    s2 = torch.stack([field_of(e, "down_proj", "weight_scale") for e in local])
+    ws2 = torch.stack([field_of(e, "down_proj", "weight_scale_2") for e in local])
+    ep_rank = local[0] // len(local)  # contiguous equal ranges (shard_weights)
+    return _LocalExperts(w13, s13, ws13, w2, s2, ws2, ep_rank, "swiglu", {})
+
+
 class Comm:
     """Single-process collectives (identity). The server subclasses this with torch.distributed."""
 
@@ -220,6 +258,7 @@ class TinyModel:
                  act_dtype: torch.dtype = torch.bfloat16):
         self.cfg, self.w, self.comm, self.act = cfg, weights, comm or Comm(), act_dtype
         self._decoded: dict[str, torch.Tensor] | None = None
+        self._experts: dict[str, _LocalExperts] | None = None
         self.local_experts = sorted({int(k.split(".")[5]) for k in weights if ".mlp.experts." in k})
 
     # ------------------------------------------------------------------ building blocks
@@ -227,6 +266,9 @@ class TinyModel:
         """Decode every NVFP4 linear's ``e2m1 * e4m3`` once (exact in fp64), as an engine prepares weights
         after loading; call again after the weights change. ``weight_scale_2`` stays a separate factor."""
         self._decoded = {}
+        self._experts = {f"model.layers.{i}.mlp": _stack_experts(self.w, f"model.layers.{i}.mlp", self.local_experts,
+                                                                 self.cfg.num_experts)
+                         for i in range(self.cfg.num_layers)} if self.local_experts else {}
         for name, t in self.w.items():
             if name.endswith(".weight_scale") and not name.endswith("_2"):
                 prefix = name[: -len(".weight_scale")]
@@ -305,30 +347,42 @@ class TinyModel:
         return self.comm.attn_all_reduce(self.linear(h, f"{p}.down_proj")).to(self.act)
 
     def route(self, x: torch.Tensor, p: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k expert ids and weights (softmax in fp32, renormalised over the top k when configured)."""
+        """Top-k expert ids and weights: router logits in the activation dtype, then
+        :func:`reference_impl.routing.softmax_topk` (fp32 softmax, renormalised when configured)."""
         logits = (x.double() @ self.w[f"{p}.gate.weight"].double().T).to(self.act)
-        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.cfg.top_k, dim=-1)
-        if self.cfg.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return ids, weights.to(self.act)
+        if logits.shape[0] == 0:
+            empty = torch.zeros(0, self.cfg.top_k, device=x.device)
+            return empty.long(), empty.to(self.act)
+        ids, weights = softmax_topk(logits, self.cfg.top_k, renormalize=self.cfg.norm_topk_prob)
+        return ids.long(), weights.to(self.act)
 
     def moe(self, x: torch.Tensor, p: str) -> torch.Tensor:
-        """Experts owned by this rank contribute; tokens routed elsewhere contribute nothing here."""
+        """Experts owned by this rank contribute; tokens routed elsewhere contribute nothing here. Serving
+        mode runs :func:`reference_impl.moe.fused_moe_w4a16` (fp64 accumulation, BF16 intermediate as the
+        kernels store it); the exact mode runs the same math in fp64 without the intermediate rounding."""
         xs, mine = self.comm.moe_gather(x)
         ids, weights = self.route(xs, p)
-        out = torch.zeros(xs.shape[0], xs.shape[1], dtype=torch.float64, device=x.device)
+        if self.act == torch.bfloat16:
+            if self._experts is None:
+                self.prepare()
+            out = fused_moe_w4a16(xs, ids, weights, self._experts[p], accum_dtype=torch.float64,
+                                  round_intermediate=True, out_dtype=torch.float64)
+        else:
+            out = self._moe_exact(xs, ids, weights, p)
+        return self.comm.moe_all_reduce(out)[mine].to(self.act)
+
+    def _moe_exact(self, xs: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, p: str) -> torch.Tensor:
+        out = torch.zeros(xs.shape[0], xs.shape[1], dtype=torch.float64, device=xs.device)
         for e in self.local_experts:
             tok, slot = torch.where(ids == e)
             if tok.numel() == 0:
                 continue
             xe = xs[tok]
-            g = self.comm_free(self.linear(xe, f"{p}.experts.{e}.gate_proj"))
-            u = self.comm_free(self.linear(xe, f"{p}.experts.{e}.up_proj"))
-            h = (F.silu(g.double()) * u.double()).to(self.act)
-            y = self.linear(h, f"{p}.experts.{e}.down_proj")  # fp64 partial over the moe-tp slice
+            g = self.linear(xe, f"{p}.experts.{e}.gate_proj")
+            u = self.linear(xe, f"{p}.experts.{e}.up_proj")
+            y = self.linear(F.silu(g) * u, f"{p}.experts.{e}.down_proj")  # fp64 partial over the moe-tp slice
             out.index_add_(0, tok, y * weights[tok, slot].double()[:, None])
-        return self.comm.moe_all_reduce(out)[mine].to(self.act)
+        return out
 
     # ------------------------------------------------------------------ forward
     def hidden_states(self, seqs: list[torch.Tensor]) -> torch.Tensor:
