@@ -29,8 +29,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-if importlib.util.find_spec("conformance") is None:  # run from a clean clone without `pip install -e .`
-    sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT))  # this checkout's suite, installed or not (a clean clone works as is)
 
 from conformance.backends import BUILTIN_BACKENDS, backend_spec_from_env  # noqa: E402
 from conformance.reporting import gate_failures, merge_summaries, render_markdown  # noqa: E402
