@@ -238,6 +238,6 @@ def test_fixtures_are_deterministic(tmp_path, ckpt_root):
     """Two builds give byte-identical safetensors (CI can rebuild instead of committing them)."""
     from fixtures.make_checkpoints import build
 
-    build(tmp_path)
-    for name in ("dense-nvfp4_awq-a", "moe-w4a16_nvfp4-b"):
+    build(tmp_path, archs=("dense",), algos=("NVFP4_AWQ",))
+    for name in ("dense-nvfp4_awq-a", "dense-nvfp4_awq-b", "dense-nvfp4_awq-corrupt"):
         assert (tmp_path / name / "model.safetensors").read_bytes() == (ckpt_root / name / "model.safetensors").read_bytes()
