@@ -7,8 +7,9 @@ import torch
 
 import reference_impl
 from reference_impl.dense import w4a16_linear
+from reference_impl.moe import fused_moe_w4a16
 
-from ..adapter import Backend, DenseLayer
+from ..adapter import Backend, DenseLayer, MoEExperts
 
 
 class ReferenceBackend(Backend):
@@ -32,8 +33,17 @@ class ReferenceBackend(Backend):
             bias=prepared.bias,
         )
 
+    # MoE (owned by the MoE area, issue 5): the reference fused MoE, fp32 accumulation, bf16 intermediate.
+    def prepare_moe(self, experts: MoEExperts, device: torch.device) -> Any:
+        return MoEExperts(*(t.to(device) if isinstance(t, torch.Tensor) else t for t in _fields(experts)))
 
-def _fields(layer: DenseLayer) -> list:
+    def run_moe(
+        self, prepared: MoEExperts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        return fused_moe_w4a16(x, topk_ids, topk_weights, prepared)
+
+
+def _fields(layer) -> list:
     from dataclasses import fields
 
     return [getattr(layer, f.name) for f in fields(layer)]

@@ -1,0 +1,166 @@
+"""The W4A16 fused-MoE checks: plain functions raising ``AssertionError`` with a readable report that starts
+with the check's name in brackets (``[moe_within_bound] ...``), so self-tests can tell which check caught
+a broken backend (``tests/test_moe_mutants.py``).
+
+A case runs on every expert-parallel rank: rank ``r`` gets its slice of the experts
+(:func:`conformance.moe_cases.rank_slice`) and the full batch of tokens and global ids, and must return
+the contribution of its own experts only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from .adapter import Backend, MoEExperts
+from .bounds import FLASHINFER_MAX_REL_L2, FLASHINFER_MIN_COSINE
+from .bounds_moe import ErrorFigures, MoEBound, error_figures, moe_error_bound
+from .moe_cases import MoECase, build_global_experts, build_inputs, rank_slice
+
+DETERMINISM_REPEATS = 3
+#: Multiplier applied to checkpoint input scales by :func:`check_moe_input_scales_ignored`.
+INPUT_SCALE_PERTURBATION = 7.25
+
+
+@dataclass
+class MoERun:
+    """One case through one backend: inputs, each rank's experts, prepared state and output."""
+
+    case: MoECase
+    x: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+    ranks: list[MoEExperts]
+    prepared: list[Any]
+    outputs: list[Any]
+    _bounds: list[MoEBound] | None = field(default=None, repr=False)
+
+
+def run_moe_case(backend: Backend, case: MoECase, device: torch.device | str | None = None) -> MoERun:
+    """Build the case on its device, prepare every rank's experts once and run each rank once."""
+    device = torch.device(device) if device is not None else case.device
+    full = build_global_experts(case, device)
+    x, ids, w = build_inputs(case, device)
+    ranks = [rank_slice(full, r, case.ep_size) for r in range(case.ep_size)] if case.ep_size > 1 else [full]
+    prepared, outputs = [], []
+    for experts in ranks:
+        p = backend.prepare_moe(experts, device)
+        prepared.append(p)
+        outputs.append(backend.run_moe(p, x, ids, w))
+    return MoERun(case, x, ids, w, ranks, prepared, outputs)
+
+
+def rank_bounds(run: MoERun) -> list[MoEBound]:
+    """Exact output and bound per rank (computed once per run)."""
+    if run._bounds is None:
+        run._bounds = [moe_error_bound(run.x, run.topk_ids, run.topk_weights, r) for r in run.ranks]
+    return run._bounds
+
+
+def describe_inputs(run: MoERun, rank: int | None = None) -> str:
+    c, ex = run.case, run.ranks[rank or 0]
+    counts = torch.bincount(run.topk_ids.reshape(-1).long().clamp(min=0), minlength=c.experts).tolist()
+    parts = [
+        f"case {c!r}",
+        f"x {tuple(run.x.shape)} {run.x.dtype} on {run.x.device}; topk_ids {tuple(run.topk_ids.shape)} "
+        f"{run.topk_ids.dtype}; topk_weights {tuple(run.topk_weights.shape)} {run.topk_weights.dtype}",
+        f"tokens per global expert: {counts if len(counts) <= 16 else counts[:8] + ['...'] + counts[-8:]}",
+        f"rank {rank or 0}/{c.ep_size}: local experts [{ex.ep_rank * ex.num_local_experts}, "
+        f"{(ex.ep_rank + 1) * ex.num_local_experts}), activation {ex.activation} {ex.activation_params}",
+        f"w13 {tuple(ex.w13.shape)} halves [gate; up], w13_scale_2[0] {ex.w13_scale_2[0].tolist()} (gate, up), "
+        f"input scales {'present (neutral under W4A16)' if ex.w13_input_scale is not None else 'absent'}",
+        f"rebuild: conformance.moe_cases.build_global_experts/build_inputs(case) (seed {c.seed})",
+    ]
+    return "\n  ".join(parts)
+
+
+def _fail(check: str, message: str, run: MoERun, rank: int | None = None) -> AssertionError:
+    return AssertionError(f"[{check}] {message}\n  {describe_inputs(run, rank)}")
+
+
+def _worst_report(fig: ErrorFigures) -> str:
+    return (
+        f"worst element (token, column) {fig.worst_index}: got {fig.worst_got!r}, exact {fig.worst_exact!r}, "
+        f"bound {fig.worst_bound!r} -> |error| / bound = {fig.bound_ratio:.4g}; rel_l2 {fig.rel_l2:.3e}, "
+        f"cosine {fig.cosine:.6f}"
+    )
+
+
+def check_moe_output_contract(run: MoERun) -> None:
+    """Each rank returns a bfloat16 ``[T, H]`` tensor on the input's device."""
+    t, h = run.x.shape
+    for r, y in enumerate(run.outputs):
+        if not isinstance(y, torch.Tensor):
+            raise _fail("moe_output_contract", f"rank {r} returned {type(y).__name__}, not a tensor", run, r)
+        if y.dtype != torch.bfloat16 or tuple(y.shape) != (t, h) or y.device != run.x.device:
+            raise _fail(
+                "moe_output_contract",
+                f"rank {r} returned {y.dtype} {tuple(y.shape)} on {y.device}; expected bfloat16 ({t}, {h}) on {run.x.device}",
+                run, r,
+            )
+
+
+def check_moe_within_bound(run: MoERun) -> ErrorFigures:
+    """Every rank's output within the derived per-element bound of its exact value
+    (:func:`conformance.bounds_moe.moe_error_bound`). Returns the figures of the worst rank."""
+    check_moe_output_contract(run)
+    worst = None
+    for r, (y, ref) in enumerate(zip(run.outputs, rank_bounds(run))):
+        fig = error_figures(y, ref.exact, ref.bound)
+        if not fig.bound_ratio <= 1.0:
+            raise _fail("moe_within_bound", f"rank {r}: {_worst_report(fig)}", run, r)
+        if worst is None or fig.bound_ratio > worst.bound_ratio:
+            worst = fig
+    return worst
+
+
+def check_moe_summary_figures(fig: ErrorFigures, run: MoERun) -> None:
+    """FlashInfer's own acceptance (relative L2 < 2e-2, cosine > 0.999), looser than the bound: recorded,
+    and asserted so a report never shows a pass the library itself would reject."""
+    if not (fig.rel_l2 < FLASHINFER_MAX_REL_L2 and fig.cosine > FLASHINFER_MIN_COSINE):
+        raise _fail("moe_summary_figures", f"rel_l2 {fig.rel_l2:.3e} (< {FLASHINFER_MAX_REL_L2}), cosine "
+                    f"{fig.cosine:.6f} (> {FLASHINFER_MIN_COSINE})", run)
+
+
+def check_moe_ep_sum(run: MoERun) -> ErrorFigures:
+    """Expert parallel: the sum over ranks (in fp64) equals the full layer's exact output within the sum of
+    the ranks' bounds, so no expert is counted twice or missed and other ranks' tokens add nothing."""
+    refs = rank_bounds(run)
+    total = sum(y.double() for y in run.outputs)
+    full = build_global_experts(run.case, run.x.device)
+    exact_full = moe_error_bound(run.x, run.topk_ids, run.topk_weights, full).exact
+    fig = error_figures(total, exact_full, sum(ref.bound for ref in refs))
+    if not fig.bound_ratio <= 1.0:
+        raise _fail("moe_ep_sum", f"sum over {run.case.ep_size} ranks vs the full layer: {_worst_report(fig)}", run)
+    return fig
+
+
+def check_moe_deterministic(run: MoERun, backend: Backend) -> None:
+    """``run_moe`` on the same prepared experts and inputs is bitwise reproducible."""
+    for r, (p, first) in enumerate(zip(run.prepared, run.outputs)):
+        for i in range(DETERMINISM_REPEATS - 1):
+            again = backend.run_moe(p, run.x, run.topk_ids, run.topk_weights)
+            if not torch.equal(again.view(torch.int16), first.view(torch.int16)):
+                diff = (again.float() - first.float()).abs()
+                raise _fail("moe_deterministic", f"rank {r}, repeat {i + 2}: {int((diff > 0).sum())} elements "
+                            f"differ (max {diff.max().item():.4g})", run, r)
+
+
+def check_moe_input_scales_ignored(run: MoERun, backend: Backend) -> None:
+    """Under W4A16 checkpoint input scales are neutral: scaling them (or removing them) leaves the output
+    bitwise unchanged. Catches alphas that fold ``input_scale`` in (the W4A4 convention)."""
+    for r, (experts, first) in enumerate(zip(run.ranks, run.outputs)):
+        variants = {"removed": replace(experts, w13_input_scale=None, w2_input_scale=None)}
+        if experts.w13_input_scale is not None:
+            variants["scaled"] = replace(
+                experts,
+                w13_input_scale=experts.w13_input_scale * INPUT_SCALE_PERTURBATION,
+                w2_input_scale=experts.w2_input_scale * INPUT_SCALE_PERTURBATION,
+            )
+        for name, variant in variants.items():
+            y = backend.run_moe(backend.prepare_moe(variant, run.x.device), run.x, run.topk_ids, run.topk_weights)
+            if not torch.equal(y.view(torch.int16), first.view(torch.int16)):
+                diff = (y.float() - first.float()).abs()
+                raise _fail("moe_input_scales_ignored", f"rank {r}: input scales {name} changed the output "
+                            f"({int((diff > 0).sum())} elements, max {diff.max().item():.4g})", run, r)

@@ -1,0 +1,53 @@
+"""W4A16 fused-MoE conformance: the backend under test (``--backend``) against the exact value and its
+derived bound, on every expert-parallel rank. Cases are data (:mod:`conformance.moe_cases`); checks live
+in :mod:`conformance.checks_moe`."""
+from __future__ import annotations
+
+import pytest
+
+from conformance.adapter import Backend
+from conformance.cases import as_params
+from conformance.checks_moe import (
+    check_moe_deterministic,
+    check_moe_ep_sum,
+    check_moe_input_scales_ignored,
+    check_moe_summary_figures,
+    check_moe_within_bound,
+    run_moe_case,
+)
+from conformance.moe_cases import MOE_CASES, MoECase
+
+EP_CASES = [c for c in MOE_CASES if c.ep_size > 1]
+SCALE_CASES = [c for c in MOE_CASES if c.input_scales and c.tier == "cpu"] + [
+    c for c in MOE_CASES if c.tier != "cpu" and c.tokens == 128 and c.activation == "swiglu" and c.gate_up == "tied"
+]
+
+
+def _run(backend: Backend, case: MoECase):
+    reason = backend.skip_reason(case.info())
+    if reason:
+        pytest.skip(reason)
+    try:
+        return run_moe_case(backend, case)
+    except NotImplementedError as exc:  # the adapter's documented way to declare "no fused MoE"
+        pytest.skip(f"{backend.name}: {exc}")
+
+
+@pytest.mark.parametrize("case", as_params(MOE_CASES))
+def test_moe_matches_reference(backend: Backend, case: MoECase, record_property) -> None:
+    run = _run(backend, case)
+    figures = check_moe_within_bound(run)
+    for name, value in figures.properties().items():
+        record_property(name, value)
+    check_moe_summary_figures(figures, run)
+    check_moe_deterministic(run, backend)
+
+
+@pytest.mark.parametrize("case", as_params(EP_CASES))
+def test_moe_expert_parallel_sum(backend: Backend, case: MoECase) -> None:
+    check_moe_ep_sum(_run(backend, case))
+
+
+@pytest.mark.parametrize("case", as_params(SCALE_CASES))
+def test_moe_input_scales_ignored(backend: Backend, case: MoECase) -> None:
+    check_moe_input_scales_ignored(_run(backend, case), backend)

@@ -1,0 +1,262 @@
+"""W4A16 fused MoE: BF16 hidden states through NVFP4 experts, SPEC.md section 3.
+
+For token ``t`` routed to global experts ``ids[t, :]`` with weights ``w[t, :]``, on the expert-parallel
+rank owning global experts ``[offset, offset + E_local)``::
+
+    y[t] = sum over slots k with ids[t, k] local:  w[t, k] * W2_e @ act(s_gate_e * (Wg_e @ x[t]),
+                                                                     s_up_e   * (Wu_e @ x[t]))
+    (relu2, non-gated: act(s_e * (W1_e @ x[t])) = relu(.)^2)
+
+``Wg, Wu, W1, W2`` are the e2m1 codes times their E4M3 block scales (exact in fp32); the decode scales
+``s_gate, s_up = w13_scale_2[e]`` (gate and up may differ) and ``s_2 = w2_scale_2[e]`` multiply the
+GEMM accumulators, as the kernels' alphas do. Checkpoint input scales are never read: under W4A16 the
+activations stay BF16 and input scales are neutral.
+
+Rounding choices (what FlashInfer's CuTe DSL W4A16 kernel does, ``fused_moe/cute_dsl/blackwell/
+moe_w4a16.py``): both GEMMs accumulate in fp32; GEMM1's epilogue multiplies by the alpha, applies the
+activation in fp32 and stores the intermediate as **bf16** (its ``intermediate`` workspace is bf16), which
+GEMM2 reads. The fp32 reference therefore rounds the intermediate to bf16 too, so it runs GEMM2 on the
+same kind of input as the kernel. The kernel also rounds each expert's output row to bf16 before the
+weighted combine; the reference does not (it keeps fp32 until the final bf16 cast) -- the error bound
+(``conformance/bounds_moe.py``) covers both. ``accum_dtype=torch.float64`` gives the exact value of the
+dequantized model (fp64, no intermediate rounding): the value error bounds are measured from.
+
+Memory: experts are processed one at a time, dequantizing only experts that receive tokens.
+Ids outside this rank's range (other ranks' experts, or negative padding ids) contribute nothing.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from .nvfp4 import BLOCK_SIZE, e2m1_decode, e4m3_decode, unpack_nibbles
+
+ACTIVATIONS = ("swiglu", "geglu", "relu2", "swiglu_oai")
+GATED_ACTIVATIONS = frozenset({"swiglu", "geglu", "swiglu_oai"})
+#: gpt-oss's values; SGLang hard-codes beta = 1 (``(up + 1)``), FlashInfer takes alpha/beta/limit.
+SWIGLU_OAI_DEFAULTS = {"alpha": 1.702, "beta": 1.0, "limit": 7.0}
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+class NVFP4Experts(Protocol):
+    """What the reference reads from a MoE layer (``conformance.adapter.MoEExperts`` has it all)."""
+
+    w13: torch.Tensor
+    w13_scale: torch.Tensor
+    w13_scale_2: torch.Tensor
+    w2: torch.Tensor
+    w2_scale: torch.Tensor
+    w2_scale_2: torch.Tensor
+    activation: str
+    activation_params: dict
+    ep_rank: int
+
+    @property
+    def num_local_experts(self) -> int: ...
+
+
+# ----------------------------------------------------------------------------------------- activations
+def is_gated(activation: str) -> bool:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown MoE activation {activation!r}; known: {', '.join(ACTIVATIONS)}")
+    return activation in GATED_ACTIVATIONS
+
+
+def oai_params(params: dict | None) -> tuple[float, float, float]:
+    """(alpha, beta, limit) of the clamped swiglu_oai activation, defaults filled in."""
+    merged = {**SWIGLU_OAI_DEFAULTS, **(params or {})}
+    unknown = set(merged) - set(SWIGLU_OAI_DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown swiglu_oai parameters {sorted(unknown)}; known: alpha, beta, limit")
+    if not merged["limit"] > 0:
+        raise ValueError(f"swiglu_oai limit must be positive, got {merged['limit']}")
+    return float(merged["alpha"]), float(merged["beta"]), float(merged["limit"])
+
+
+def gelu_tanh(g: torch.Tensor) -> torch.Tensor:
+    return 0.5 * g * (1.0 + torch.tanh(_SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)))
+
+
+def apply_activation(
+    activation: str, gate: torch.Tensor, up: torch.Tensor | None, params: dict | None = None
+) -> torch.Tensor:
+    """The activation on already-scaled GEMM1 outputs, in their dtype. For relu2 ``gate`` is the whole
+    (non-gated) GEMM1 output and ``up`` is None.
+
+    * swiglu: ``silu(gate) * up``
+    * geglu: ``gelu_tanh(gate) * up`` (the tanh approximation)
+    * relu2: ``relu(x) ** 2``
+    * swiglu_oai: ``g = min(gate, limit)``, ``u = clamp(up, -limit, limit)``,
+      ``g * sigmoid(alpha * g) * (u + beta)`` (FlashInfer's parameterized SwiGLU epilogue and SGLang's
+      ``swiglu_gpt_oss_sigmoid_alpha``, where beta = 1).
+    """
+    if not is_gated(activation):
+        return torch.relu(gate).square()
+    if up is None:
+        raise ValueError(f"{activation} is gated and needs the up half")
+    if activation == "swiglu":
+        return torch.nn.functional.silu(gate) * up
+    if activation == "geglu":
+        return gelu_tanh(gate) * up
+    alpha, beta, limit = oai_params(params)
+    g = gate.clamp(max=limit)
+    u = up.clamp(min=-limit, max=limit)
+    return g * torch.sigmoid(alpha * g) * (u + beta)
+
+
+# ----------------------------------------------------------------------------------------- routing helpers
+def local_expert_offset(experts: NVFP4Experts) -> int:
+    """First global expert id of this rank: ``ep_rank * num_local_experts``."""
+    return experts.ep_rank * experts.num_local_experts
+
+
+@dataclass(frozen=True)
+class ExpertBatch:
+    """The (token, slot) pairs routed to one local expert."""
+
+    local_expert: int
+    tokens: torch.Tensor  # [n] int64 token indices
+    slots: torch.Tensor  # [n] int64 top-k slot indices
+
+
+def expert_batches(topk_ids: torch.Tensor, offset: int, num_local_experts: int) -> list[ExpertBatch]:
+    """Group (token, slot) pairs by local expert; experts without tokens are left out."""
+    local = topk_ids.long() - offset
+    owned = (local >= 0) & (local < num_local_experts)
+    tok, slot = torch.nonzero(owned, as_tuple=True)
+    if tok.numel() == 0:
+        return []
+    exp = local[tok, slot]
+    order = torch.argsort(exp, stable=True)
+    tok, slot, exp = tok[order], slot[order], exp[order]
+    uniq, counts = torch.unique_consecutive(exp, return_counts=True)
+    batches, start = [], 0
+    for e, n in zip(uniq.tolist(), counts.tolist()):
+        batches.append(ExpertBatch(e, tok[start : start + n], slot[start : start + n]))
+        start += n
+    return batches
+
+
+# ----------------------------------------------------------------------------------------- weights
+@dataclass(frozen=True)
+class DequantizedExpert:
+    """One expert's weights as codes * block scales (decode scales NOT applied), and its decode scales.
+    ``up`` is None for non-gated activations (then ``gate`` is the whole W1)."""
+
+    gate: torch.Tensor  # [I, H]
+    up: torch.Tensor | None  # [I, H]
+    down: torch.Tensor  # [H, I]
+    scale_gate: torch.Tensor  # 0-d
+    scale_up: torch.Tensor  # 0-d
+    scale_down: torch.Tensor  # 0-d
+
+
+_BYTE_LUT: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _byte_table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``[256, 2]``: the two E2M1 values (low nibble, high nibble) of every packed byte."""
+    key = (device, dtype)
+    if key not in _BYTE_LUT:
+        codes = unpack_nibbles(torch.arange(256, dtype=torch.uint8, device=device).view(256, 1))
+        _BYTE_LUT[key] = e2m1_decode(codes, dtype)
+    return _BYTE_LUT[key]
+
+
+def _codes_times_block_scales(packed: torch.Tensor, block_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``e2m1 * e4m3`` as ``[N, K]`` in ``dtype`` (exact: at most 5 significant bits), one table gather."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    values = _byte_table(packed.device, dtype)[packed.long()].reshape(n, k // BLOCK_SIZE, BLOCK_SIZE)
+    return (values * e4m3_decode(block_scale).to(dtype).unsqueeze(-1)).reshape(n, k)
+
+
+def dequantize_expert(experts: NVFP4Experts, e: int, dtype: torch.dtype = torch.float32) -> DequantizedExpert:
+    """Local expert ``e``: gate/up/down as e2m1 * e4m3 (exact in fp32 and fp64) plus its decode scales."""
+    w13 = _codes_times_block_scales(experts.w13[e], experts.w13_scale[e], dtype)
+    down = _codes_times_block_scales(experts.w2[e], experts.w2_scale[e], dtype)
+    s13 = experts.w13_scale_2[e].to(dtype).reshape(-1)
+    s2 = experts.w2_scale_2[e].to(dtype).reshape(())
+    if is_gated(experts.activation):
+        half = w13.shape[0] // 2
+        return DequantizedExpert(w13[:half], w13[half:], down, s13[0], s13[-1], s2)
+    return DequantizedExpert(w13, None, down, s13[0], s13[0], s2)
+
+
+def check_moe_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: NVFP4Experts) -> None:
+    """Raise ``TypeError``/``ValueError`` with a readable message for inputs that do not fit."""
+    if x.dtype != torch.bfloat16 or x.dim() != 2:
+        raise TypeError(f"W4A16 MoE hidden states must be a 2-D bfloat16 tensor, got {x.dtype} {tuple(x.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_ids must be [tokens={x.shape[0]}, top_k], got {tuple(topk_ids.shape)}")
+    if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
+        raise TypeError(f"topk_ids must be integer, got {topk_ids.dtype}")
+    if topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_weights shape {tuple(topk_weights.shape)} != topk_ids shape {tuple(topk_ids.shape)}")
+    if experts.w13.dtype != torch.uint8 or experts.w2.dtype != torch.uint8:
+        raise TypeError(f"packed expert weights must be uint8, got w13 {experts.w13.dtype}, w2 {experts.w2.dtype}")
+    e, hidden, inter = experts.w2.shape[0], experts.w2.shape[1], experts.w2.shape[2] * 2
+    rows13 = 2 * inter if is_gated(experts.activation) else inter
+    if experts.w13.shape != (e, rows13, hidden // 2):
+        raise ValueError(
+            f"w13 shape {tuple(experts.w13.shape)} != ({e}, {rows13}, {hidden // 2}) for {experts.activation} "
+            f"with hidden {hidden}, intermediate {inter} (w13 must be halves [gate; up] for gated activations)"
+        )
+    if x.shape[1] != hidden:
+        raise ValueError(f"hidden size of x ({x.shape[1]}) != experts' hidden size ({hidden})")
+    if experts.w13_scale.shape != (e, rows13, hidden // BLOCK_SIZE):
+        raise ValueError(f"w13 block scale shape {tuple(experts.w13_scale.shape)} != ({e}, {rows13}, {hidden // BLOCK_SIZE})")
+    if experts.w2_scale.shape != (e, hidden, inter // BLOCK_SIZE):
+        raise ValueError(f"w2 block scale shape {tuple(experts.w2_scale.shape)} != ({e}, {hidden}, {inter // BLOCK_SIZE})")
+    if experts.w13_scale_2.shape[0] != e or experts.w2_scale_2.reshape(-1).shape[0] != e:
+        raise ValueError(
+            f"decode scales must have one entry per local expert ({e}): w13_scale_2 {tuple(experts.w13_scale_2.shape)}, "
+            f"w2_scale_2 {tuple(experts.w2_scale_2.shape)}"
+        )
+
+
+# ----------------------------------------------------------------------------------------- the MoE
+def fused_moe_w4a16(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    experts: NVFP4Experts,
+    *,
+    accum_dtype: torch.dtype = torch.float32,
+    round_intermediate: bool | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    expert_order: list[int] | None = None,
+) -> torch.Tensor:
+    """The reference W4A16 fused MoE on this rank's experts. ``x [T, H]`` bf16, ``topk_ids [T, k]`` global
+    ids, ``topk_weights [T, k]``. ``round_intermediate`` defaults to True for fp32 (the kernel's bf16
+    intermediate) and False for fp64 (the exact value). ``expert_order`` visits local experts in another
+    order (for self-tests of order independence)."""
+    check_moe_inputs(x, topk_ids, topk_weights, experts)
+    if round_intermediate is None:
+        round_intermediate = accum_dtype != torch.float64
+    xa = x.to(accum_dtype)
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=accum_dtype, device=x.device)
+    batches = expert_batches(topk_ids.to(x.device), local_expert_offset(experts), experts.num_local_experts)
+    if expert_order is not None:
+        rank = {e: i for i, e in enumerate(expert_order)}
+        batches.sort(key=lambda b: rank[b.local_expert])
+    weights = topk_weights.to(device=x.device, dtype=accum_dtype)
+    for batch in batches:
+        w = dequantize_expert(experts, batch.local_expert, accum_dtype)
+        xt = xa[batch.tokens]
+        gate = (xt @ w.gate.T) * w.scale_gate
+        up = (xt @ w.up.T) * w.scale_up if w.up is not None else None
+        h = apply_activation(experts.activation, gate, up, experts.activation_params)
+        if round_intermediate:
+            h = h.to(torch.bfloat16).to(accum_dtype)
+        o = (h @ w.down.T) * w.scale_down
+        out.index_add_(0, batch.tokens, o * weights[batch.tokens, batch.slots].unsqueeze(-1))
+        del w, gate, up, h, o
+    return out.to(out_dtype)
+
+
+def fused_moe_exact(x, topk_ids, topk_weights, experts) -> torch.Tensor:
+    """The exact value (fp64, no intermediate rounding) as float64 ``[T, H]``."""
+    return fused_moe_w4a16(x, topk_ids, topk_weights, experts, accum_dtype=torch.float64, out_dtype=torch.float64)

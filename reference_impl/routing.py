@@ -1,0 +1,72 @@
+"""MoE routers: router logits -> top-k global expert ids and fp32 routing weights.
+
+These are the usual routers of open MoE models, written from their definitions so that MoE cases can
+start from logits instead of hand-made ids:
+
+* :func:`softmax_topk` -- softmax over all experts, keep the ``top_k`` largest probabilities, optionally
+  renormalize them to sum to 1 (Mixtral/Qwen-MoE style with ``renormalize=True``, the "plain" variant
+  without).
+* :func:`sigmoid_topk_with_bias` -- DeepSeek-V3 style: per-expert sigmoid scores, the expert *choice*
+  uses ``score + correction_bias`` while the *weights* are the unbiased scores of the chosen experts,
+  renormalized and multiplied by ``routed_scaling_factor``.
+
+Ids are int32 (what fused-MoE kernels take), weights float32. Ties between equal scores are broken
+by ``torch.topk`` (lowest index first on CPU); cases use continuous random logits so ties do not occur.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _check_logits(logits: torch.Tensor, top_k: int) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"router logits must be [tokens, experts], got shape {tuple(logits.shape)}")
+    if not 1 <= top_k <= logits.shape[1]:
+        raise ValueError(f"top_k = {top_k} must be in [1, num_experts = {logits.shape[1]}]")
+
+
+def softmax_topk(
+    logits: torch.Tensor, top_k: int, renormalize: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax top-k routing. Softmax is taken in fp32 over all experts; with ``renormalize`` the kept
+    probabilities are divided by their sum (so they sum to 1), otherwise they are used as they are."""
+    _check_logits(logits, top_k)
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids.to(torch.int32), weights.float()
+
+
+def sigmoid_topk_with_bias(
+    logits: torch.Tensor,
+    correction_bias: torch.Tensor,
+    top_k: int,
+    renormalize: bool = True,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigmoid routing with a score-correction bias (DeepSeek-V3's ``e_score_correction_bias``):
+    choose by ``sigmoid(logits) + bias``, weigh by ``sigmoid(logits)`` of the chosen experts.
+    Grouped selection (``n_group``/``topk_group``) is not modelled: it only restricts the candidates."""
+    _check_logits(logits, top_k)
+    if correction_bias.shape != (logits.shape[1],):
+        raise ValueError(f"correction bias shape {tuple(correction_bias.shape)} != ({logits.shape[1]},)")
+    scores = torch.sigmoid(logits.float())
+    _, ids = torch.topk(scores + correction_bias.float(), top_k, dim=-1)
+    weights = scores.gather(-1, ids)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids.to(torch.int32), (weights * routed_scaling_factor).float()
+
+
+def route_all_to_one(
+    num_tokens: int, top_k: int, expert: int, num_experts: int, device="cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every token to ``expert`` in slot 0; the other slots (if any) to the next experts (mod
+    ``num_experts``), weights ``1/top_k`` each -- the "every token to one expert" load pattern."""
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k = {top_k} must be in [1, num_experts = {num_experts}]")
+    slots = (torch.arange(top_k, device=device) + expert) % num_experts
+    ids = slots.to(torch.int32).expand(num_tokens, top_k).contiguous()
+    weights = torch.full((num_tokens, top_k), 1.0 / top_k, dtype=torch.float32, device=device)
+    return ids, weights

@@ -1,0 +1,259 @@
+"""W4A16 fused-MoE backends with one planted bug each (mutants), and correct-but-different ones (variants).
+
+Every mutant is named after its bug and declares the named check of :mod:`conformance.checks_moe` expected
+to reject it (``caught_by``); every variant computes the contract by a different legal route and must pass.
+They are built from :class:`KernelLayoutMoE`, which does what an engine integration does: turn the
+checkpoint into FlashInfer's CuTe DSL kernel layout at prepare time ([up; gate] 64-row interleave, 128x4
+swizzled scales in the MMA view, one GEMM1 alpha per expert), and at run time read that layout back the
+way a kernel would and evaluate the experts (with :func:`reference_impl.moe.fused_moe_w4a16`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from conformance.adapter import Backend, DenseLayer, MoEExperts
+from conformance.backends import flashinfer_moe
+from conformance.backends.flashinfer_moe import KernelMoEWeights, build_kernel_layout, read_back_kernel_layout
+from reference_impl.moe import fused_moe_w4a16
+from reference_impl.nvfp4 import W13_CHUNK_ROWS
+
+
+@dataclass(frozen=True)
+class Prepared:
+    layout: KernelMoEWeights
+    experts: MoEExperts  # the checkpoint form (for metadata: rank, activation; and for input scales)
+
+
+class KernelLayoutMoE(Backend):
+    """A correct MoE through the kernel layout; stages are overridable hooks."""
+
+    name = "KernelLayoutMoE"
+    caught_by: str | None = None
+    build_chunk_rows = W13_CHUNK_ROWS
+    read_chunk_rows = W13_CHUNK_ROWS
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.name = cls.__name__
+
+    def prepare_dense(self, layer: DenseLayer, device: torch.device) -> Any:
+        raise NotImplementedError("MoE-only test backend")
+
+    def run_dense(self, prepared: Any, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("MoE-only test backend")
+
+    # --- hooks
+    def checkpoint_view(self, experts: MoEExperts) -> MoEExperts:
+        """What the layout is built from (mutants doctor it)."""
+        return experts
+
+    def prepare_moe(self, experts: MoEExperts, device: torch.device) -> Prepared:
+        layout = build_kernel_layout(self.checkpoint_view(experts), device, self.build_chunk_rows)
+        return Prepared(layout, experts)
+
+    def decoded(self, prepared: Prepared) -> MoEExperts:
+        return read_back_kernel_layout(prepared.layout, prepared.experts, self.read_chunk_rows)
+
+    def routing(self, prepared: Prepared, ids: torch.Tensor, w: torch.Tensor):
+        return ids, w
+
+    def evaluate(self, x, ids, w, experts: MoEExperts) -> torch.Tensor:
+        return fused_moe_w4a16(x, ids, w, experts)
+
+    def run_moe(self, prepared: Prepared, x, topk_ids, topk_weights) -> torch.Tensor:
+        experts = self.decoded(prepared)
+        experts = replace(experts, w13=experts.w13.to(x.device), w13_scale=experts.w13_scale.to(x.device),
+                          w13_scale_2=experts.w13_scale_2.to(x.device), w2=experts.w2.to(x.device),
+                          w2_scale=experts.w2_scale.to(x.device), w2_scale_2=experts.w2_scale_2.to(x.device))
+        ids, w = self.routing(prepared, topk_ids, topk_weights)
+        return self.evaluate(x, ids, w, experts)
+
+    def skip_reason(self, case) -> str | None:
+        if "untied_gate_up_general" in case.features:
+            return "one GEMM1 alpha per expert: no exact fold for a non-power-of-two gate/up scale ratio"
+        return None
+
+
+def _swap_halves(t: torch.Tensor) -> torch.Tensor:
+    half = t.shape[1] // 2
+    return torch.cat([t[:, half:], t[:, :half]], dim=1)
+
+
+# ----------------------------------------------------------------------------------------- mutants
+class GateUpSwapped(KernelLayoutMoE):
+    """Loads W13 as [up; gate] and then applies the kernel interleave: gate and up change places."""
+
+    caught_by = "moe_within_bound"
+
+    def checkpoint_view(self, experts):
+        return replace(experts, w13=_swap_halves(experts.w13), w13_scale=_swap_halves(experts.w13_scale),
+                       w13_scale_2=experts.w13_scale_2.flip(1))
+
+
+class Interleave32Rows(KernelLayoutMoE):
+    """Builds the 64-row [up; gate] interleave but the kernel reads it in 32-row chunks."""
+
+    caught_by = "moe_within_bound"
+    read_chunk_rows = 32
+
+
+class InputScaleFoldedIntoAlpha(KernelLayoutMoE):
+    """Uses the W4A4 alphas under W4A16: ``input_scale * weight_scale_2`` (engines scalarize the input scale)."""
+
+    caught_by = "moe_within_bound"
+
+    def checkpoint_view(self, experts):
+        if experts.w13_input_scale is None:
+            return experts
+        a1 = experts.w13_input_scale.max().float()
+        a2 = experts.w2_input_scale.max().float()
+        return replace(experts, w13_scale_2=experts.w13_scale_2 * a1, w2_scale_2=experts.w2_scale_2 * a2)
+
+
+class RoutingWeightsIgnored(KernelLayoutMoE):
+    """Sums the experts' outputs without the routing weights."""
+
+    caught_by = "moe_within_bound"
+
+    def routing(self, prepared, ids, w):
+        return ids, torch.ones_like(w)
+
+
+class ExpertOffsetIgnored(KernelLayoutMoE):
+    """Treats global ids as local ids on every rank (local_expert_offset = 0)."""
+
+    caught_by = "moe_within_bound"
+
+    def decoded(self, prepared):
+        return replace(super().decoded(prepared), ep_rank=0)
+
+
+class ActivationOnUpHalf(KernelLayoutMoE):
+    """Applies the nonlinearity to the up half: silu(up) * gate."""
+
+    caught_by = "moe_within_bound"
+
+    def decoded(self, prepared):
+        ex = super().decoded(prepared)
+        if ex.activation == "relu2":
+            return ex
+        return replace(ex, w13=_swap_halves(ex.w13), w13_scale=_swap_halves(ex.w13_scale),
+                       w13_scale_2=ex.w13_scale_2.flip(1))
+
+
+class LastExpertDropped(KernelLayoutMoE):
+    """An off-by-one in the expert loop: the rank's last local expert never runs."""
+
+    caught_by = "moe_within_bound"
+
+    def routing(self, prepared, ids, w):
+        ex = prepared.experts
+        last = (ex.ep_rank + 1) * ex.num_local_experts - 1
+        return torch.where(ids.long() == last, torch.full_like(ids, -1), ids), w
+
+
+class GateScaleForBothHalves(KernelLayoutMoE):
+    """SGLang 0.5.23's CuTe DSL path: ``w13_weight_scale_2[:, 0]`` (gate) as the alpha of both halves."""
+
+    caught_by = "moe_within_bound"
+
+    def skip_reason(self, case):
+        return None
+
+    def checkpoint_view(self, experts):
+        gate = experts.w13_scale_2[:, :1]
+        return replace(experts, w13_scale_2=torch.cat([gate, gate], dim=1))
+
+
+class NondeterministicCombine(KernelLayoutMoE):
+    """Picks the combine at random on every call (an autotuner choosing a tactic per call): bf16 per-slot
+    sums or the fp32 combine. Each result alone is within the bound; they differ bitwise."""
+
+    caught_by = "moe_deterministic"
+
+    def evaluate(self, x, ids, w, experts):
+        if torch.rand(()) < 0.5:
+            return fused_moe_w4a16(x, ids, w, experts)
+        out = torch.zeros(x.shape, dtype=torch.bfloat16, device=x.device)
+        for k in range(ids.shape[1]):
+            out = out + fused_moe_w4a16(x, ids[:, k : k + 1], w[:, k : k + 1], experts)
+        return out
+
+
+class Float32Output(KernelLayoutMoE):
+    """Returns the fp32 accumulator instead of bfloat16."""
+
+    caught_by = "moe_output_contract"
+
+    def evaluate(self, x, ids, w, experts):
+        return fused_moe_w4a16(x, ids, w, experts, out_dtype=torch.float32)
+
+
+MUTANTS = (
+    GateUpSwapped, Interleave32Rows, InputScaleFoldedIntoAlpha, RoutingWeightsIgnored, ExpertOffsetIgnored,
+    ActivationOnUpHalf, LastExpertDropped, GateScaleForBothHalves, NondeterministicCombine, Float32Output,
+)
+
+
+# ----------------------------------------------------------------------------------------- variants
+class ExpertsInReverseOrder(KernelLayoutMoE):
+    """Visits the local experts last to first (different fp32 summation order)."""
+
+    def evaluate(self, x, ids, w, experts):
+        order = list(range(experts.num_local_experts))[::-1]
+        return fused_moe_w4a16(x, ids, w, experts, expert_order=order)
+
+
+class TokensRegrouped(KernelLayoutMoE):
+    """Processes the tokens in a shuffled order, in groups of 5, and scatters the rows back."""
+
+    def evaluate(self, x, ids, w, experts):
+        perm = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(7)).to(x.device)
+        out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+        for chunk in perm.split(5):
+            out[chunk] = fused_moe_w4a16(x[chunk], ids[chunk], w[chunk], experts)
+        return out
+
+
+class PerSlotBf16Combine(KernelLayoutMoE):
+    """Rounds every expert contribution to bf16 and sums slots in bf16 in a fixed order (what the fused
+    finalize does, made deterministic): legal, within the derived bound."""
+
+    def evaluate(self, x, ids, w, experts):
+        out = torch.zeros(x.shape, dtype=torch.bfloat16, device=x.device)
+        for k in range(ids.shape[1]):
+            out = out + fused_moe_w4a16(x, ids[:, k : k + 1], w[:, k : k + 1], experts)
+        return out
+
+
+class FlashInferAdapterOnEmulator(Backend):
+    """The real FlashInfer adapter (:mod:`conformance.backends.flashinfer_moe`) driving the pure-PyTorch
+    ``CuteDslMoEWrapper`` emulator (:mod:`reference_impl.flashinfer_emulator`) instead of the GPU kernel:
+    checks the adapter's layout, alphas, offsets and arguments on CPU."""
+
+    name = "FlashInferAdapterOnEmulator"
+
+    def prepare_dense(self, layer, device):
+        raise NotImplementedError("MoE-only test backend")
+
+    def run_dense(self, prepared, x):
+        raise NotImplementedError("MoE-only test backend")
+
+    def skip_reason(self, case):
+        reason = flashinfer_moe.flashinfer_moe_skip_reason(case, torch.device("cuda"))
+        static = ("intermediate %", "non-power-of-two")  # shape/scale reasons apply on any device
+        return reason if reason and any(s in reason for s in static) else None
+
+    def prepare_moe(self, experts, device):
+        from reference_impl import flashinfer_emulator as emu
+
+        return flashinfer_moe.prepare_moe(experts, device, wrapper_source=lambda: (emu.CuteDslMoEWrapper, emu.ActivationType))
+
+    def run_moe(self, prepared, x, topk_ids, topk_weights):
+        return flashinfer_moe.run_moe(prepared, x, topk_ids, topk_weights)
+
+
+VARIANTS = (KernelLayoutMoE, ExpertsInReverseOrder, TokensRegrouped, PerSlotBf16Combine, FlashInferAdapterOnEmulator)

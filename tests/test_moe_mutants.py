@@ -1,0 +1,117 @@
+"""The MoE checks reject every planted bug (by the named check each mutant declares) and accept every
+correct-but-different implementation. Cases come from :mod:`conformance.moe_cases` (CPU tier)."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from conformance.bounds import ErrorFigures
+from conformance.checks_moe import (
+    MoERun,
+    check_moe_deterministic,
+    check_moe_ep_sum,
+    check_moe_input_scales_ignored,
+    check_moe_output_contract,
+    check_moe_summary_figures,
+    check_moe_within_bound,
+    run_moe_case,
+)
+from conformance.moe_cases import MOE_CASES, MoECase
+from tests.mutants.moe import MUTANTS, VARIANTS, InputScaleFoldedIntoAlpha, KernelLayoutMoE
+
+CPU_CASES = {c.id: c for c in MOE_CASES if c.tier == "cpu"}
+#: Small cases that together exercise every mutant's bug: I = 192 (64-row chunks matter), top-2 weights,
+#: expert parallel, the last expert hot, untied gate/up scales, and a non-gated activation.
+PROBE_CASES = [CPU_CASES[i] for i in (
+    "t7_e8_k2_h192_i192", "t128_e8_k2_ep2", "t7_e8_k1_ep4_all_to_last", "t128_e8_k2_gate_up_pow2",
+    "t128_e8_k2_relu2",
+)]
+#: Variants must pass everything, on a broader set (all activations, EP, routers, empty experts).
+VARIANT_CASES = [CPU_CASES[i] for i in (
+    "t7_e8_k2_h192_i192", "t128_e8_k2_geglu", "t128_e8_k2_relu2", "t128_e8_k2_swiglu_oai",
+    "t128_e64_k2_empty_experts", "t128_e8_k2_ep2", "t7_e8_k1_ep4_all_to_last", "t128_e8_k2_gate_up_pow2",
+    "t128_e8_k2_gate_up_general", "t515_e8_k2_h320_i64",
+)]
+
+
+def _all_checks(backend, case: MoECase) -> None:
+    """Every MoE check the conformance tests run, in their order."""
+    run = run_moe_case(backend, case)
+    figures = check_moe_within_bound(run)
+    check_moe_summary_figures(figures, run)
+    check_moe_deterministic(run, backend)
+    if case.ep_size > 1:
+        check_moe_ep_sum(run)
+    check_moe_input_scales_ignored(run, backend)
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.__name__)
+def test_moe_mutant_is_rejected(mutant) -> None:
+    backend = mutant()
+    failures = []
+    for case in PROBE_CASES:
+        if backend.skip_reason(case.info()):
+            continue
+        try:
+            _all_checks(backend, case)
+        except AssertionError as exc:
+            failures.append((case.id, str(exc)))
+            if str(exc).startswith(f"[{mutant.caught_by}]"):
+                return
+    pytest.fail(f"{mutant.__name__} was not rejected by [{mutant.caught_by}] on any probe case; "
+                f"other failures: {[(c, m.splitlines()[0]) for c, m in failures]}")
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.__name__)
+@pytest.mark.parametrize("case", VARIANT_CASES, ids=lambda c: c.id)
+def test_moe_variant_is_accepted(variant, case: MoECase) -> None:
+    backend = variant()
+    reason = backend.skip_reason(case.info())
+    if reason:
+        assert case.gate_up == "general", f"{variant.__name__} declined {case.id}: {reason}"
+        return
+    _all_checks(backend, case)
+
+
+def test_input_scale_check_catches_folded_alphas_directly() -> None:
+    """``moe_input_scales_ignored`` fails on its own (not only through the bound)."""
+    backend = InputScaleFoldedIntoAlpha()
+    run = run_moe_case(backend, CPU_CASES["t128_e8_k2_ep2"])
+    with pytest.raises(AssertionError, match=r"^\[moe_input_scales_ignored\]"):
+        check_moe_input_scales_ignored(run, backend)
+
+
+def test_ep_sum_check_can_fail() -> None:
+    """A rank that returns another rank's contribution (counted twice, its own missing) fails the sum."""
+    backend = KernelLayoutMoE()
+    run = run_moe_case(backend, CPU_CASES["t128_e8_k2_ep2"])
+    check_moe_ep_sum(run)
+    doctored = MoERun(run.case, run.x, run.topk_ids, run.topk_weights, run.ranks, run.prepared,
+                      [run.outputs[0], run.outputs[0]])
+    with pytest.raises(AssertionError, match=r"^\[moe_ep_sum\]"):
+        check_moe_ep_sum(doctored)
+
+
+def test_summary_figures_check_can_fail() -> None:
+    run = run_moe_case(KernelLayoutMoE(), CPU_CASES["t1_e8_k1_h128_i64"])
+    bad = ErrorFigures(0.5, (0, 0), 1.0, 1.0, 1.0, rel_l2=0.05, cosine=0.99)
+    with pytest.raises(AssertionError, match=r"^\[moe_summary_figures\]"):
+        check_moe_summary_figures(bad, run)
+
+
+def test_failure_report_names_inputs_and_worst_element() -> None:
+    from tests.mutants.moe import RoutingWeightsIgnored
+
+    with pytest.raises(AssertionError) as info:
+        check_moe_within_bound(run_moe_case(RoutingWeightsIgnored(), CPU_CASES["t7_e8_k2_h192_i192"]))
+    msg = str(info.value)
+    assert re.search(r"worst element \(token, column\) \(\d+, \d+\): got .* exact .* bound .* = [0-9.e+]+", msg)
+    assert "case MoECase(id='t7_e8_k2_h192_i192'" in msg and "rebuild:" in msg
+
+
+def test_output_contract_check_accepts_reference_shape() -> None:
+    run = run_moe_case(KernelLayoutMoE(), CPU_CASES["t1_e8_k1_h128_i64"])
+    check_moe_output_contract(run)
+    assert run.outputs[0].dtype == torch.bfloat16
