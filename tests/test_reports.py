@@ -130,12 +130,19 @@ def test_misconfigured_gate_exits_2(tmp_path):
 # ------------------------------------------------------------------------------ artifacts
 PROBE = '''
 import torch
+from conformance.adapter import DenseLayer
 from conformance.reporting import record_tensors
+from reference_impl.nvfp4 import quantize_modelopt
 
 def test_fails(backend, artifacts):
     x = torch.arange(6, dtype=torch.float32).reshape(2, 3).bfloat16()
     artifacts.save("io", x=x, y=x.t())            # a view of x: must be written on its own
     record_tensors("scales", s=torch.tensor([1.5, 2.0]).to(torch.float8_e4m3fn))
+    q = quantize_modelopt(torch.randn(32, 64))
+    layer = DenseLayer(q.packed, q.block_scale, q.weight_scale_2.reshape(1), (32,))
+    prepared = backend.prepare_dense(layer, torch.device("cpu"))
+    for _ in range(6):                              # captured: the first 4 calls
+        backend.run_dense(prepared, torch.ones(5, 64, dtype=torch.bfloat16))
     assert False, "planted failure"
 
 def test_passes(artifacts):
@@ -154,14 +161,34 @@ def test_failing_tests_tensors_are_saved_and_passing_ones_are_not(tmp_path):
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     tests = {t["nodeid"]: t for t in summary["tests"]}
     failed = tests["test_dense.py::test_fails[reference]"]
-    assert sorted(Path(p).name for p in failed["artifacts"]) == ["io.safetensors", "scales.safetensors"]
-    with safe_open(str(tmp_path / failed["artifacts"][0]), "pt") as f:
+    files = {Path(p).name: tmp_path / p for p in failed["artifacts"]}
+    assert sorted(files) == ["backend_calls.safetensors", "io.safetensors", "scales.safetensors"]
+    with safe_open(str(files["io.safetensors"]), "pt") as f:
         assert f.metadata()["nodeid"] == "test_dense.py::test_fails[reference]"
         assert f.get_tensor("y").shape == (3, 2) and f.get_tensor("x").dtype.is_floating_point
+    with safe_open(str(files["backend_calls.safetensors"]), "pt") as f:  # captured without the test's help
+        keys = set(f.keys())
+        assert {"prepare_dense.0.layer.weight", "prepare_dense.0.layer.weight_scale", "run_dense.0.x",
+                "run_dense.0.out", "run_dense.3.out"} <= keys and "run_dense.4.x" not in keys
+        assert f.get_tensor("run_dense.0.out").shape == (5, 32)
     assert tests["test_dense.py::test_passes"]["artifacts"] == []
     assert sorted(p.name for p in (tmp_path / "out" / "artifacts").iterdir()) == ["test_dense.py_test_fails_reference"]
     assert "artifact: `out/artifacts/test_dense.py_test_fails_reference/io.safetensors`" in (
         tmp_path / "out" / "report.md").read_text()
+
+
+def test_backend_capture_is_undone_after_each_test():
+    from conformance._plugins.report import _capture_backend_calls
+    from conformance.backends.reference import ReferenceBackend
+    from conformance.reporting import Artifacts
+
+    backend = ReferenceBackend()
+    sentinel = object()
+    backend.prepare_moe = sentinel  # an instance attribute of the backend's own must survive
+    restore = _capture_backend_calls(backend, Artifacts())
+    assert vars(backend)["run_dense"].__name__ == "capture" and vars(backend)["prepare_moe"] is not sentinel
+    restore()
+    assert "run_dense" not in vars(backend) and vars(backend)["prepare_moe"] is sentinel
 
 
 # ------------------------------------------------------------------------- pure functions

@@ -4,6 +4,7 @@ per-test reports reach the controller through ``pytest_runtest_logreport`` (user
 them), and only the controller writes the reports. See docs/reports.md."""
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import json
 import os
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from .. import __version__, reporting
 from ..backends import backend_spec_from_env, load_backends
@@ -93,11 +95,84 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     artifacts = item.stash[_ARTIFACTS_KEY] = Artifacts()
     reporting._set_current(artifacts)
+    backend = _backend_object(item)
+    restore = _capture_backend_calls(backend, artifacts) if _artifacts_dir(item.config) is not None else None
     try:
         return (yield)
     finally:
+        if restore is not None:
+            restore()
         reporting._set_current(None)
         del item.stash[_ARTIFACTS_KEY]
+
+
+# Backend entry points whose tensor arguments and results are kept for a failing test's artifacts, so every
+# backend-driven failure ships its inputs and outputs even when the check registered nothing itself.
+_CAPTURED = {
+    "prepare_dense": ("layer", "device"),
+    "run_dense": ("prepared", "x"),
+    "prepare_moe": ("experts", "device"),
+    "run_moe": ("prepared", "x", "topk_ids", "topk_weights"),
+}
+_MAX_CAPTURED_CALLS = 4  # per entry point and test: enough to see the case, bounded for big sweeps
+_ABSENT = object()
+
+
+def _backend_object(item: pytest.Item) -> Any:
+    return getattr(getattr(item, "callspec", None), "params", {}).get("backend")
+
+
+def _tensors_of(prefix: str, value: Any) -> dict[str, torch.Tensor]:
+    """Tensors in ``value`` (a tensor, or a dataclass such as DenseLayer / MoEExperts) keyed by ``prefix``."""
+    if isinstance(value, torch.Tensor):
+        return {prefix: value}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f"{prefix}.{f.name}": getattr(value, f.name) for f in dataclasses.fields(value)
+                if isinstance(getattr(value, f.name), torch.Tensor)}
+    return {}
+
+
+def _capture_backend_calls(backend: Any, artifacts: Artifacts):
+    """Wrap the backend instance's entry points for one test; returns the function that unwraps them."""
+    own = getattr(backend, "__dict__", None)
+    if backend is None or own is None:  # no backend, or one with __slots__: nothing to wrap
+        return None
+    wrapped: dict[str, Any] = {}  # method -> what the instance itself held under that name (or _ABSENT)
+    for method, arg_names in _CAPTURED.items():
+        original = getattr(backend, method, None)
+        if original is None:
+            continue
+
+        def capture(*args, _original=original, _method=method, _names=arg_names, _calls=[0], **kwargs):
+            n = _calls[0]
+            _calls[0] += 1
+            if n >= _MAX_CAPTURED_CALLS:
+                return _original(*args, **kwargs)
+            tensors = {}
+            for name, value in [*zip(_names, args), *kwargs.items()]:
+                tensors.update(_tensors_of(f"{_method}.{n}.{name}", value))
+            if tensors:
+                artifacts.save("backend_calls", **tensors)  # inputs first: kept even when the call raises
+            out = _original(*args, **kwargs)
+            if _method.startswith("run_") and isinstance(out, torch.Tensor):
+                artifacts.save("backend_calls", **{f"{_method}.{n}.out": out})
+            return out
+
+        previous = own.get(method, _ABSENT)
+        try:
+            setattr(backend, method, capture)
+        except (AttributeError, TypeError):  # a backend refusing attributes: no capture, nothing breaks
+            continue
+        wrapped[method] = previous
+
+    def restore() -> None:
+        for method, previous in wrapped.items():
+            if previous is _ABSENT:
+                own.pop(method, None)
+            else:
+                own[method] = previous
+
+    return restore
 
 
 @pytest.fixture
