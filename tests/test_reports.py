@@ -89,6 +89,12 @@ def test_mutant_fails_the_gate(mutant_run):
     assert failed and all("NoDecodeScaleMutant" in t["nodeid"] for t in failed)
     junit_failures = sum(int(s.get("failures")) for s in ET.parse(out / "junit.xml").getroot().iter("testsuite"))
     assert junit_failures == len(failed)
+    from safetensors import safe_open
+
+    for t in failed:  # the failing inputs and outputs, captured from the backend's calls
+        path = next(Path(p) for p in t["artifacts"] if p.endswith("backend_calls.safetensors"))
+        with safe_open(str(REPO / path), "pt") as f:
+            assert {"run_dense.0.x", "run_dense.0.out", "prepare_dense.0.layer.weight"} <= set(f.keys())
 
 
 def test_table_shows_the_mutants_failures(mutant_run):
