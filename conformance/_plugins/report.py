@@ -76,10 +76,13 @@ def _tier_of(item: pytest.Item) -> str:
     return next((t for t in TIERS if item.get_closest_marker(t) is not None), DEFAULT_TIER)
 
 
+def _backend_object(item: pytest.Item) -> Any:
+    """The ``backend`` fixture's parametrized object of this test, or ``None``."""
+    return getattr(getattr(item, "callspec", None), "params", {}).get("backend")
+
+
 def _backend_of(item: pytest.Item) -> str:
-    params = getattr(getattr(item, "callspec", None), "params", {})
-    backend = params.get("backend")
-    return getattr(backend, "name", NO_BACKEND) if backend is not None else NO_BACKEND
+    return getattr(_backend_object(item), "name", NO_BACKEND)
 
 
 @pytest.hookimpl(trylast=True)
@@ -116,10 +119,6 @@ _CAPTURED = {
 }
 _MAX_CAPTURED_CALLS = 4  # per entry point and test: enough to see the case, bounded for big sweeps
 _ABSENT = object()
-
-
-def _backend_object(item: pytest.Item) -> Any:
-    return getattr(getattr(item, "callspec", None), "params", {}).get("backend")
 
 
 def _tensors_of(prefix: str, value: Any) -> dict[str, torch.Tensor]:
@@ -230,6 +229,7 @@ class _RunState:
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
         self.records: dict[str, TestRecord] = {}
+        self.written: dict[str, Any] | None = None  # the summary, once written at session end
 
     def record(self, nodeid: str, properties: dict[str, Any]) -> TestRecord:
         rec = self.records.get(nodeid)
@@ -332,7 +332,7 @@ def _state(config: pytest.Config) -> _RunState | None:
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    state = _state_of_report(report)
+    state = _controller_state()
     if state is None:
         return
     rec = state.record(report.nodeid, dict(report.user_properties))
@@ -344,7 +344,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 def pytest_collectreport(report: pytest.CollectReport) -> None:
-    state = _state_of_report(report)
+    state = _controller_state()
     if state is None or not report.failed:
         return
     rec = state.record(report.nodeid or ".", {})
@@ -357,7 +357,7 @@ def pytest_collectreport(report: pytest.CollectReport) -> None:
 _active_state: list[_RunState] = []  # logreport hooks get no config; the controller's state lives here
 
 
-def _state_of_report(report: Any) -> _RunState | None:
+def _controller_state() -> _RunState | None:
     return _active_state[-1] if _active_state else None
 
 
@@ -385,7 +385,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
     state = _state(config)
-    summary = getattr(state, "written", None) if state is not None else None
+    summary = state.written if state is not None else None
     if summary is None:
         return
     out = config.getoption("--report-dir")
