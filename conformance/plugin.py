@@ -4,6 +4,7 @@ installed as a package, load it with ``pytest -p conformance.plugin``."""
 pytest_plugins = [
     "conformance._plugins.tiers",
     "conformance._plugins.backend",
+    "conformance._plugins.engine",
     "conformance._plugins.snapshots",
     "conformance._plugins.expectations",
     "conformance._plugins.report",
