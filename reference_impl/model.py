@@ -288,8 +288,15 @@ class TinyModel:
         return (xd @ self._decoded[prefix].T) * self.w[f"{prefix}.weight_scale_2"].double()
 
     def rms_norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """fp32 statistics, as transformers. In serving mode the mean of squares is summed in fp64 and then
+        rounded to fp32: an fp32 row reduction's summation order may depend on how many rows there are
+        (GPU reduction kernels split rows differently), which would make outputs depend on the batch."""
         x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
+        if self.act == torch.bfloat16:
+            ms = x.double().pow(2).mean(-1, keepdim=True).float()
+        else:
+            ms = x32.pow(2).mean(-1, keepdim=True)
+        y = x32 * torch.rsqrt(ms + self.cfg.rms_norm_eps)
         return self.w[name].to(self.act) * y.to(self.act)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
