@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conformance import format_cases as C
+from conformance import format_inputs as I
 from conformance.cases import as_params
 from conformance.format_oracles import compare_bits, swizzle_by_tiles, swizzle_offset_spec
 from conformance.snapshots import Approx
@@ -192,7 +193,7 @@ _WS_TOLERANCE_WHY = (
 @pytest.mark.cpu
 @pytest.mark.parametrize("recipe", ["modelopt", "kernel"])
 def test_canonical_vectors(recipe: str, golden):
-    w = C.canonical_weight()
+    w = I.canonical_weight()
     weight_id = hashlib.sha256(w.view(torch.uint8).numpy().tobytes()).hexdigest()
     entries: dict = {"weight": "canonical_weight(256, 512, seed=20260101) bf16", "weight_sha256": weight_id}
     if recipe == "modelopt":
@@ -213,7 +214,7 @@ def _run_on(device: str, case: C.DeviceParityCase) -> list[torch.Tensor]:
     if case.function == "swizzle_128x4":
         swz = next(s for s in C.SWIZZLE_CASES if s.id == case.family)
         return [F.swizzle_128x4(_swizzle_input(swz).to(device)).view(torch.uint8)]
-    x = C.ADVERSARIAL_FAMILIES[case.family]().to(case.dtype).to(device)
+    x = I.ADVERSARIAL_FAMILIES[case.family]().to(case.dtype).to(device)
     if case.function == "e2m1_encode":
         return [F.e2m1_encode(x)]
     if case.function == "e4m3_encode":
@@ -222,7 +223,7 @@ def _run_on(device: str, case: C.DeviceParityCase) -> list[torch.Tensor]:
         q = F.quantize_modelopt(x)
         return [q.packed, q.block_scale.view(torch.uint8), q.weight_scale_2.reshape(1).view(torch.uint8)]
     outs = []
-    for gs in C.global_scales_for(x):
+    for gs in I.global_scales_for(x):
         packed, sf = F.quantize_kernel(x, gs)
         outs += [packed, F.swizzle_128x4(sf).view(torch.uint8)]
     return outs

@@ -12,12 +12,13 @@ import pytest
 import torch
 
 from conformance import format_cases as C
+from conformance import format_inputs as I
 from conformance import format_oracles as O
 from conformance import test_format as conformance_format
 from reference_impl import nvfp4 as F
 
-_E2M1_VALUES = np.concatenate(list(C.E2M1_ADVERSARIAL.values()))
-_E4M3_VALUES = np.concatenate(list(C.E4M3_ADVERSARIAL.values()))
+_E2M1_VALUES = np.concatenate(list(I.E2M1_ADVERSARIAL.values()))
+_E4M3_VALUES = np.concatenate(list(I.E4M3_ADVERSARIAL.values()))
 _MIDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
 _MAGS = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
@@ -34,15 +35,15 @@ def _flashinfer_kernel() -> O.Mismatch | None:
     """Every adversarial family in fp32 under its canonical global scale and gs = 1 (the full sweep over dtypes and
     global scales is in test_nvfp4_oracles.py; this subset keeps the mutant runs short)."""
     def runs():
-        for build in C.ADVERSARIAL_FAMILIES.values():
+        for build in I.ADVERSARIAL_FAMILIES.values():
             x = build()
-            for gs in {C.global_scales_for(x)[0], 1.0}:
+            for gs in {I.global_scales_for(x)[0], 1.0}:
                 yield O.check_kernel_recipe_flashinfer(F.quantize_kernel, F.swizzle_128x4, x, gs)
     return _first(runs())
 
 
 def _modelopt_numpy() -> O.Mismatch | None:
-    inputs = [C.canonical_weight(), *(b() for b in C.ADVERSARIAL_FAMILIES.values())]
+    inputs = [I.canonical_weight(), *(b() for b in I.ADVERSARIAL_FAMILIES.values())]
     return _first(O.check_modelopt_recipe(F.quantize_modelopt, x) for x in inputs)
 
 

@@ -13,15 +13,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conformance import format_cases as C
+from conformance import format_inputs as I
 from conformance import format_oracles as O
 from reference_impl import nvfp4 as F
 
 RANDOM_VALUES = 1_000_000
 FORMATS = {
     # format: (reference encoder, oracle check, adversarial families, exponent span of the random values)
-    "e2m1": (F.e2m1_encode, O.check_e2m1_encode, C.E2M1_ADVERSARIAL, (-4, 4)),
-    "e4m3": (F.e4m3_encode, O.check_e4m3_encode, C.E4M3_ADVERSARIAL, (-12, 10)),
+    "e2m1": (F.e2m1_encode, O.check_e2m1_encode, I.E2M1_ADVERSARIAL, (-4, 4)),
+    "e4m3": (F.e4m3_encode, O.check_e4m3_encode, I.E4M3_ADVERSARIAL, (-12, 10)),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -29,7 +29,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_encode_matches_ml_dtypes_on_a_million_random_values(fmt):
     encode, check, _, span = FORMATS[fmt]
-    x = C.random_float32(RANDOM_VALUES, seed=11, spread=span)
+    x = I.random_float32(RANDOM_VALUES, seed=11, spread=span)
     assert x.size >= RANDOM_VALUES
     assert (m := check(encode, x)) is None, m
 
@@ -51,10 +51,10 @@ def test_kernel_recipe_matches_flashinfer_on_a_million_random_values():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("family", C.ADVERSARIAL_FAMILIES)
+@pytest.mark.parametrize("family", I.ADVERSARIAL_FAMILIES)
 def test_kernel_recipe_matches_flashinfer_on_adversarial_inputs(family, dtype):
-    x = C.ADVERSARIAL_FAMILIES[family]().to(DTYPES[dtype])
-    for global_sf in C.global_scales_for(x):
+    x = I.ADVERSARIAL_FAMILIES[family]().to(DTYPES[dtype])
+    for global_sf in I.global_scales_for(x):
         m = O.check_kernel_recipe_flashinfer(F.quantize_kernel, F.swizzle_128x4, x, global_sf)
         assert m is None, f"global_sf={global_sf}: {m}"
 
@@ -62,23 +62,23 @@ def test_kernel_recipe_matches_flashinfer_on_adversarial_inputs(family, dtype):
 def test_adversarial_families_reach_their_corner():
     """The families exercise what their names promise (else a passing comparison would prove little)."""
     def scale_bytes(family):
-        return F.quantize_kernel(C.ADVERSARIAL_FAMILIES[family](), 1.0)[1].view(torch.uint8)
+        return F.quantize_kernel(I.ADVERSARIAL_FAMILIES[family](), 1.0)[1].view(torch.uint8)
 
     sub = scale_bytes("subnormal-scales")
     assert int(((sub > 0) & (sub < 0x08)).sum()) > 100 and int((sub == 0).sum()) > 0  # subnormal and flushed
     assert int((scale_bytes("saturating-scales") == 0x7E).sum()) > 100
-    ties = C.ADVERSARIAL_FAMILIES["code-ties"]()
+    ties = I.ADVERSARIAL_FAMILIES["code-ties"]()
     packed, sf = F.quantize_kernel(ties, 1.0)
     scaled = ties.view(ties.shape[0], -1, 16) / F.e4m3_decode(sf).unsqueeze(-1)
     mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
     assert float(torch.isin(scaled.abs(), mids).float().mean()) > 0.4  # x / sf lands exactly on midpoints
-    assert int((F.quantize_kernel(C.ADVERSARIAL_FAMILIES["zeros"](), 1.0)[1].view(torch.uint8) != 0).sum()) == 0
+    assert int((F.quantize_kernel(I.ADVERSARIAL_FAMILIES["zeros"](), 1.0)[1].view(torch.uint8) != 0).sum()) == 0
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("family", [*C.ADVERSARIAL_FAMILIES, "canonical-weight"])
+@pytest.mark.parametrize("family", [*I.ADVERSARIAL_FAMILIES, "canonical-weight"])
 def test_modelopt_recipe_matches_numpy_formulation(family, dtype):
-    x = (C.canonical_weight() if family == "canonical-weight" else C.ADVERSARIAL_FAMILIES[family]()).to(DTYPES[dtype])
+    x = (I.canonical_weight() if family == "canonical-weight" else I.ADVERSARIAL_FAMILIES[family]()).to(DTYPES[dtype])
     assert (m := O.check_modelopt_recipe(F.quantize_modelopt, x)) is None, m
     # an explicit power-of-two weight_scale_2 (as a checkpoint may carry) instead of the amax-derived one
     assert (m := O.check_modelopt_recipe(F.quantize_modelopt, x, 2.0**-8)) is None, f"weight_scale_2=2^-8: {m}"

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
-from conformance import format_cases as C
+from conformance import format_inputs as I
 from conformance.snapshots import (
     DEFAULT_SNAPSHOT_ROOT,
     SNAPSHOT_DIR_ENV,
@@ -108,7 +107,7 @@ def test_stored_canonical_snapshot_rejects_a_one_code_change():
     path = DEFAULT_SNAPSHOT_ROOT / "test_format" / "test_canonical_vectors[kernel].tensors.json"
     stored = path.read_text()
     entries = json.loads(stored)["entries"]
-    w = C.canonical_weight()
+    w = I.canonical_weight()
     global_sf = (F.E2M1_MAX * F.E4M3_MAX) / w.float().abs().amax()
     packed, sf = F.quantize_kernel(w, global_sf)
     received = {
