@@ -9,12 +9,14 @@ statement is edited upstream, these checks follow it; if it disappears, they fai
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import textwrap
 import types
 from typing import Any
 
 
+@functools.lru_cache(maxsize=None)
 def _tree(func) -> ast.AST:
     return ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(func))))
 

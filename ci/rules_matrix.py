@@ -1,0 +1,75 @@
+"""Run the configuration/guard rule matrices against one engine and print cases per matrix and run time.
+
+    python ci/rules_matrix.py                    # reference engine
+    python ci/rules_matrix.py --engine sglang    # SGLang 0.5.23's own code on CPU
+    python ci/rules_matrix.py --engine sglang --budget 60   # exit 1 if the whole run exceeds 60 s
+
+Exit status 1 if any case fails (the failures are printed with inputs, expected and actual) or the budget
+is exceeded. Unsupported cases are counted and listed with the engine's reason.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from conformance.engines import EngineUnavailable, engine_spec, load_engine  # noqa: E402
+from conformance.engines.matrix import MATRICES, load_matrix, mismatch, run_case  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engine", default=None, help="reference | sglang | module:attr (default $NVFP4_CONFORMANCE_ENGINE or reference)")
+    parser.add_argument("--budget", type=float, default=None, help="fail if the total wall time exceeds this many seconds")
+    args = parser.parse_args(argv)
+    spec = engine_spec(args.engine)
+    start = time.perf_counter()
+    try:
+        engine = load_engine(spec)
+    except EngineUnavailable as exc:
+        print(f"engine {spec!r} unavailable: {exc}")
+        return 2
+    load_s = time.perf_counter() - start
+    print(f"engine: {engine.name} ({engine.version()}); load {load_s:.1f} s")
+    print(f"{'matrix':<10} {'cases':>6} {'passed':>7} {'failed':>7} {'unsupp.':>8} {'seconds':>8}  expected kinds")
+    failures, reasons, totals = [], Counter(), Counter()
+    for name in MATRICES:
+        t0 = time.perf_counter()
+        cases = load_matrix(name)
+        counts = Counter()
+        for case in cases:
+            reason = engine.unsupported(name, case.inputs)
+            if reason:
+                counts["unsupported"] += 1
+                reasons[reason] += 1
+                continue
+            problem = mismatch(case, run_case(engine, case))
+            counts["failed" if problem else "passed"] += 1
+            if problem:
+                failures.append(problem)
+        kinds = Counter(c.expected["kind"] for c in cases)
+        print(f"{name:<10} {len(cases):>6} {counts['passed']:>7} {counts['failed']:>7} {counts['unsupported']:>8} "
+              f"{time.perf_counter() - t0:>8.2f}  " + ", ".join(f"{k}={v}" for k, v in sorted(kinds.items())))
+        totals.update(counts)
+        totals["cases"] += len(cases)
+    total_s = time.perf_counter() - start
+    print(f"{'total':<10} {totals['cases']:>6} {totals['passed']:>7} {totals['failed']:>7} {totals['unsupported']:>8} "
+          f"{total_s - load_s:>8.2f}  (+ {load_s:.1f} s engine load = {total_s:.1f} s)")
+    for reason, n in reasons.items():
+        print(f"unsupported x{n}: {reason}")
+    for problem in failures[:20]:
+        print("FAIL " + problem)
+    if len(failures) > 20:
+        print(f"... and {len(failures) - 20} more failures")
+    if args.budget is not None and total_s > args.budget:
+        print(f"over budget: {total_s:.1f} s > {args.budget:.0f} s")
+        return 1
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
