@@ -103,7 +103,7 @@ def build_global_experts(case: MoECase, device: torch.device | str | None = None
     return _build_global_experts(case, str(device))
 
 
-@functools.lru_cache(maxsize=2)
+@functools.lru_cache(maxsize=8)
 def _build_global_experts(case: MoECase, device_name: str) -> MoEExperts:
     device = torch.device(device_name)
     g = _generator(case, device, 0)
