@@ -41,46 +41,36 @@ def test_correct_variant_is_accepted(variant):
 
 
 # ---- the sglang engine calls SGLang's own code ---------------------------------------------------------------
+# One test (one SGLang import, ~40 s on a loaded 2-core host, in one xdist worker). The full unpatched run is
+# the conformance suite's job: pytest conformance/test_config_rules.py ... --engine sglang.
 
-@pytest.fixture(scope="module")
-def sglang_engine():
+def _always_rebind(module, name, new_value):
+    import torch
+
+    setattr(module, name, torch.nn.Parameter(new_value.detach().clone(), requires_grad=False))
+
+
+def test_sglang_engine_runs_sglang_code():
     from conformance.engines import EngineUnavailable, load_engine
 
     try:
-        return load_engine("sglang")
+        engine = load_engine("sglang")
     except EngineUnavailable as exc:
         pytest.skip(f"sglang engine unavailable: {exc}")
-
-
-def test_sglang_engine_sees_patched_copy_or_rebind(sglang_engine, monkeypatch):
-    def always_rebind(module, name, new_value):
-        import torch
-
-        setattr(module, name, torch.nn.Parameter(new_value.detach().clone(), requires_grad=False))
-
-    monkeypatch.setattr(sglang_engine.common, "copy_or_rebind_param", always_rebind)
-    assert "parameter-new=same-captured=no" in _failures(sglang_engine, "reload")
-
-
-def test_sglang_engine_sees_patched_lm_head_guard(sglang_engine, monkeypatch):
-    monkeypatch.setattr(sglang_engine.logits, "should_apply_lm_head_quant_method", lambda head, method: True)
-    assert "method=nvfp4_w4a16-head=dense_bf16" in _failures(sglang_engine, "lm_head")
-
-
-def test_sglang_engine_sees_patched_a2a_hook(sglang_engine, monkeypatch):
-    monkeypatch.setattr(sglang_engine.hook, "handle_a2a_moe", lambda server_args: None)
-    failures = _failures(sglang_engine, "a2a")
-    assert "flashinfer-w4a16=1-nvfp4_dispatch=1-type=none-flashinfer_cutedsl-modelopt_fp4" in failures
-
-
-def test_sglang_engine_sees_patched_quant_mode_source(sglang_engine, monkeypatch):
-    # Make SGLang's FP4 backend query lie: the dense resolution must follow it.
-    mq = sglang_engine.mq
-    fu = sglang_engine.fu
-    monkeypatch.setattr(mq, "get_fp4_gemm_runner_backend", lambda: fu.Fp4GemmRunnerBackend.FLASHINFER_CUTEDSL)
-    assert "w4a16=1-flashinfer_cutlass-cpu-NVFP4" in _failures(sglang_engine, "dense")
-
-
-def test_sglang_engine_passes_unpatched(sglang_engine):
-    for matrix in MATRICES:
-        assert _failures(sglang_engine, matrix) == {}, matrix
+    fu = engine.fu
+    breakages = [  # (module, attribute, broken version, matrix, a case that must now fail)
+        (engine.common, "copy_or_rebind_param", _always_rebind, "reload", "parameter-new=same-captured=no"),
+        (engine.logits, "should_apply_lm_head_quant_method", lambda head, method: True, "lm_head",
+         "method=nvfp4_w4a16-head=dense_bf16"),
+        (engine.hook, "handle_a2a_moe", lambda server_args: None, "a2a",
+         "flashinfer-w4a16=1-nvfp4_dispatch=1-type=none-flashinfer_cutedsl-modelopt_fp4"),
+        (engine.mq, "get_fp4_gemm_runner_backend", lambda: fu.Fp4GemmRunnerBackend.FLASHINFER_CUTEDSL, "dense",
+         "w4a16=1-flashinfer_cutlass-cpu-NVFP4"),
+    ]
+    for module, attr, broken, matrix, case_id in breakages:
+        (case,) = [c for c in load_matrix(matrix) if c.id == case_id]
+        assert mismatch(case, run_case(engine, case)) is None, f"unpatched SGLang fails {matrix}[{case_id}]"
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(module, attr, broken)
+            assert mismatch(case, run_case(engine, case)) is not None, (
+                f"patching {module.__name__}.{attr} did not change {matrix}[{case_id}]: the adapter is not calling it")
