@@ -116,9 +116,17 @@ def _block_amax(xb: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(xb.abs(), nan=0.0).amax(dim=-1)
 
 
+def _ieee_div(a: torch.Tensor, b: torch.Tensor | float) -> torch.Tensor:
+    """Correctly rounded ``a / b``. PyTorch's CUDA kernels turn division by a CPU scalar (a Python number or
+    a 0-d CPU tensor) into multiplication by its reciprocal, which can differ by one ulp; a divisor living on
+    ``a``'s device keeps the IEEE division, so CPU and CUDA results agree bit for bit."""
+    return a / torch.as_tensor(b, dtype=a.dtype).to(a.device).expand_as(a)
+
+
 def decode_scale_from_amax(amax: torch.Tensor | float) -> torch.Tensor:
     """ModelOpt's ``weight_scale_2 = amax / (6 * 448)`` as fp32."""
-    return torch.as_tensor(amax, dtype=torch.float32) / (E2M1_MAX * E4M3_MAX)
+    amax = torch.as_tensor(amax, dtype=torch.float32)
+    return _ieee_div(amax, E2M1_MAX * E4M3_MAX)
 
 
 def decode_to_encode_scale(weight_scale_2: torch.Tensor | float) -> torch.Tensor:
@@ -138,7 +146,8 @@ def quantize_modelopt(w: torch.Tensor, weight_scale_2: torch.Tensor | float | No
     ws2 = torch.as_tensor(weight_scale_2, dtype=torch.float32, device=w.device).reshape(())
     block_amax = _block_amax(xb)
     # An all-zero block gets scale 0 even when weight_scale_2 is 0 too (an all-zero tensor), instead of 0/0 = NaN.
-    sf = e4m3_encode(torch.where(block_amax == 0, torch.zeros_like(block_amax), block_amax / E2M1_MAX / ws2))
+    unrounded = _ieee_div(_ieee_div(block_amax, E2M1_MAX), ws2)
+    sf = e4m3_encode(torch.where(block_amax == 0, torch.zeros_like(block_amax), unrounded))
     denom = sf.float().unsqueeze(-1) * ws2
     scaled = torch.where(denom == 0, torch.zeros_like(xb), xb / denom)
     codes = e2m1_encode(scaled).reshape(w.shape)
