@@ -73,7 +73,7 @@ def probe(tmp_path: Path) -> Path:
 
 def run(probe: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--report-dir", "out", *args],
-                          cwd=probe, env=_env(), capture_output=True, text=True, timeout=300)
+                          cwd=probe, env=_env(), capture_output=True, text=True, timeout=1200)
     path = probe / "out" / "summary.json"
     summary = json.loads(path.read_text()) if path.exists() else {}
     return proc, {t["nodeid"]: t for t in summary.get("tests", [])}
@@ -86,6 +86,9 @@ def test_outcomes_under_xdist(probe):
     assert "known rounding bug (https://example.com/issues/1)" in tests["test_dense.py::test_known_bug"]["message"]
     assert tests["test_dense.py::test_fixed_bug"]["outcome"] == "xpass_strict"  # fixed: the entry must go
     assert tests["test_dense.py::test_new_bug"]["outcome"] == "failed"
+    # the repro carries the suite's options (the expectations file decides xfail vs fail), not -n
+    assert tests["test_dense.py::test_new_bug"]["repro"] == (
+        "python -m pytest test_dense.py::test_new_bug -p no:cacheprovider --expectations bad.toml --backend reference")
     assert tests["test_moe.py::test_moe_case"]["outcome"] == "skipped"
     assert tests["test_moe.py::test_moe_case"]["message"] == "unsupported: no fused MoE"
     stale = tests["bad.toml::stale[test_dense.py::test_renamed]"]
@@ -123,11 +126,11 @@ def test_gate_exit_code_follows_expectations(probe, tmp_path_factory):
     out = tmp_path_factory.mktemp("gate")
     base = [sys.executable, str(GATE), "--tier", "cpu", "--rootdir", str(probe), "--tests", ".", "--workers", "0"]
     bad = subprocess.run([*base, "--out", str(out / "bad"), "--expectations", str(probe / "bad.toml")],
-                         env=_env(), capture_output=True, text=True, timeout=300)
+                         env=_env(), capture_output=True, text=True, timeout=1200)
     assert bad.returncode == 1 and "xpass_strict: test_dense.py::test_fixed_bug" in bad.stdout
     good = subprocess.run([*base, "--out", str(out / "good"), "--expectations", str(probe / "good.toml"),
                            "--", "--deselect", "test_dense.py::test_new_bug"],
-                          env=_env(), capture_output=True, text=True, timeout=300)
+                          env=_env(), capture_output=True, text=True, timeout=1200)
     assert good.returncode == 0, good.stdout[-2000:]
     report = (out / "good" / "report.md").read_text()
     assert "## Expected failures" in report and "known rounding bug" in report

@@ -30,12 +30,23 @@ _NOT_FOR_REPRO = {"report_dir", "artifacts_dir"}
 DEFAULT_TIER = "cpu"
 NO_BACKEND = "-"
 
-_nvfp4_group = None  # the option group, kept to find every suite option a repro command must carry
+_parser: pytest.Parser | None = None  # kept to find every suite option a repro command must carry
+
+
+def _suite_options() -> list:
+    """Options of the suite's groups (``nvfp4``, ``nvfp4-server``, any ``nvfp4*``). pytest has no public
+    list of groups, so this reads the parser's; without it, only the main group is known."""
+    if _parser is None:
+        return []
+    groups = [g for g in getattr(_parser, "_groups", []) if g.name.startswith("nvfp4")]
+    groups = groups or [_parser.getgroup("nvfp4")]
+    return [opt for g in groups for opt in g.options]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    global _nvfp4_group
-    group = _nvfp4_group = parser.getgroup("nvfp4", "NVFP4 W4A16 conformance")
+    global _parser
+    _parser = parser
+    group = parser.getgroup("nvfp4", "NVFP4 W4A16 conformance")
     group.addoption(
         "--report-dir",
         default=None,
@@ -260,7 +271,7 @@ class _RunState:
             if arg == "-p":
                 args += ["-p", invocation[i + 1]]
         given = set()
-        for opt in (_nvfp4_group.options if _nvfp4_group is not None else []):
+        for opt in _suite_options():
             value = config.getoption(opt.dest)
             if opt.dest in _NOT_FOR_REPRO or value == getattr(opt, "default", None) or value is None:
                 continue
