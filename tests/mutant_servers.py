@@ -104,6 +104,17 @@ def half_loaded_on_failure() -> dict:
     return {}
 
 
+def batch_dependent_numerics() -> dict:
+    """Deterministic, but a sequence's logits depend on how many sequences share its forward pass (as when
+    a kernel picks its split by batch size): exact repeats agree, batch sizes do not."""
+    original = TinyModel.last_logits
+
+    def last_logits(self, seqs):
+        return original(self, seqs) * (1.0 + 2.0 ** -10 * (len(seqs) - 1))
+    TinyModel.last_logits = last_logits
+    return {}
+
+
 def rebinding_reload() -> dict:
     """Correct but different: a reload allocates new tensors instead of copying in place."""
     def commit(self, new):
@@ -115,7 +126,8 @@ def rebinding_reload() -> dict:
 
 
 MUTANTS = {f.__name__: f for f in (reload_keeps_old_weights, reload_drops_awq_scale, nondeterministic_reduction,
-                                   drops_requests_during_reload, half_loaded_on_failure, rebinding_reload)}
+                                   drops_requests_during_reload, half_loaded_on_failure, batch_dependent_numerics,
+                                   rebinding_reload)}
 
 
 def main(argv: list[str]) -> int:

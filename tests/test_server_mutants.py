@@ -45,6 +45,10 @@ CASES = [
                r"failed_reload_corrupt_checkpoint \(old weights must keep serving\)"),
     MutantCase("half-loaded-moe", "half_loaded_on_failure", "moe-w4a16_nvfp4", "failed_reload_corrupt_checkpoint", True,
                r"failed_reload_corrupt_checkpoint \(old weights must keep serving\)"),
+    MutantCase("batch-dependent", "batch_dependent_numerics", "dense-nvfp4_awq", "batch_size_invariance", True,
+               r"batch_size_invariance \(alone vs one batched request\)"),
+    MutantCase("batch-dependent-is-deterministic", "batch_dependent_numerics", "dense-nvfp4_awq",
+               "repeated_requests_deterministic", False),
     # the awq mutant is invisible without AWQ scales: the scenario must not fail spuriously
     MutantCase("drops-awq-scale-on-non-awq", "reload_drops_awq_scale", "moe-w4a16_nvfp4", "reload_same_checkpoint", False),
     MutantCase("rebinding-reload-same", "rebinding_reload", "dense-nvfp4_awq", "reload_same_checkpoint", False),
