@@ -92,3 +92,53 @@ def test_mutant_script_rejects_unknown_mutant():
 
     r = subprocess.run([sys.executable, str(MUTANT_SCRIPT), "--mutant", "nope"], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "usage" in r.stderr
+
+
+# ----------------------------------------------------------------------------------------- tp_agreement
+class _FakeServer:
+    """A stand-in client returning fixed greedy outputs (mutant servers run a single rank, so TP mutants
+    are emulated at the client level)."""
+
+    def __init__(self, outputs):
+        self.outputs = outputs
+
+    def with_deadline(self, _deadline):
+        return self
+
+    def close(self):
+        pass
+
+    def update_weights_from_disk(self, _path, flush_cache=True):
+        return True, "ok"
+
+    def generate(self, prompts, _params, return_logprob=True):
+        return self.outputs[: len(prompts)]
+
+
+def _outputs(shift: float, diverge_at: int | None = None):
+    from conformance.server.client import Generation
+    from conformance.server.scenarios import PROMPTS
+
+    outs = []
+    for _ in PROMPTS:
+        ids = [5, 6, 7, 8, 9, 10, 11, 12]
+        if diverge_at is not None:
+            ids[diverge_at] = 99
+        outs.append(Generation("x", tuple(ids), tuple(-1.0 + shift for _ in ids)))
+    return outs
+
+
+@pytest.mark.parametrize("shift,diverge_at,caught", [(0.0, None, False), (0.05, 3, False), (2.0, None, True)],
+                         ids=["identical", "divergence-within-bound", "beyond-bound"])
+def test_tp_agreement_bound(shift, diverge_at, caught):
+    from conformance.server.scenarios import SCENARIOS_BY_ID
+
+    root = ensure_fixture_root(None)
+    model = FixtureModel("dense-nvfp4_awq", root)
+    tpn, tp1 = _FakeServer(_outputs(shift, diverge_at)), _FakeServer(_outputs(0.0))
+    run = lambda: run_scenario(SCENARIOS_BY_ID["tp_agreement"], tpn, model, baseline=tp1, tp=2, timeout_s=60)  # noqa: E731
+    if caught:
+        with pytest.raises(AssertionError, match=r"tp_agreement: prompt .* token 0: TP2 logprob .* > bound"):
+            run()
+    else:
+        run()
