@@ -86,3 +86,42 @@ def check_reload_reproduces_output(run: EngineRun, label: str) -> None:
         f"{label}: output after reload differs from before: max |diff| = "
         f"{(run.y.float() - run.y_reload.float()).abs().nan_to_num().max().item():.4g}"
     )
+
+
+# ----------------------------------------------------------------------------------------- verdicts
+CHECKS = ("scenario_completes", "output_within_bound", "reload_keeps_identity", "reload_reproduces_output")
+
+
+def failing_checks(adapter, case) -> dict[str, str]:
+    """Run ``case`` (an ``EngineDenseCase`` or ``EngineMoECase``) through ``adapter`` and return the
+    failing checks by name (empty: the engine conforms). ``scenario_completes`` fails when the engine or
+    the emulator raises (e.g. the emulator rejecting an argument FlashInfer would reject)."""
+    from ..dense_cases import build_activations, build_layer
+    from .cases import EngineDenseCase, build_moe_checkpoint, build_moe_inputs
+    from .core import run_scenario
+
+    if isinstance(case, EngineDenseCase):
+        ckpt, x = build_layer(case.dense, "cpu"), build_activations(case.dense, "cpu")
+        kind, args = "dense", (x,)
+        reference = lambda: dense_reference(ckpt, x, case.mode)  # noqa: E731
+    else:
+        ckpt = build_moe_checkpoint(case)
+        x, ids, wts = build_moe_inputs(case)
+        kind, args = "moe", (x, ids, wts)
+        reference = lambda: moe_reference(ckpt, x, ids, wts)  # noqa: E731
+    try:
+        run = run_scenario(adapter, kind, case.mode, ckpt, args)
+    except Exception as exc:  # noqa: BLE001 - any engine/emulator error fails the scenario, with its text
+        return {"scenario_completes": f"{type(exc).__name__}: {exc}"}
+    failures: dict[str, str] = {}
+    exact, bound = reference()
+    for name, check in (
+        ("output_within_bound", lambda: check_output_within_bound(run, exact, bound, case.id)),
+        ("reload_keeps_identity", lambda: check_reload_keeps_identity(run, case.id)),
+        ("reload_reproduces_output", lambda: check_reload_reproduces_output(run, case.id)),
+    ):
+        try:
+            check()
+        except AssertionError as exc:
+            failures[name] = str(exc)
+    return failures

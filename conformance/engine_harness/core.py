@@ -8,7 +8,6 @@ objects and which of its module-level names must point at the emulator; everythi
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -61,9 +60,10 @@ class EngineAdapter(abc.ABC):
         """``None`` when the engine can be exercised here, else why not (e.g. not installed)."""
 
     @abc.abstractmethod
-    def stand_in(self, mode: Mode, kind: Literal["dense", "moe"]) -> StandIn:
-        """The emulator in place of FlashInfer for ``mode``, plus the engine's own settings (env, backend
-        selection) and the patches of names it bound at import time."""
+    def stand_in(self, mode: Mode, kind: Literal["dense", "moe"], modules: dict, ckpt: Any) -> StandIn:
+        """A :class:`StandIn` installing ``modules`` (the emulator's module tree, prepared by the harness)
+        for ``mode``, plus the engine's own settings (env, backend selection, parallel layout for ``ckpt``)
+        and patches pointing the names it bound from ``flashinfer`` at import time at ``modules``' functions."""
 
     # dense -------------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -145,7 +145,6 @@ def run_scenario(
     mode: Mode,
     ckpt: DenseLayer | MoECheckpoint,
     forward_args: tuple,
-    call_log: list | None = None,
 ) -> EngineRun:
     """Build, load, post-process, forward; then reload the same checkpoint, post-process again and forward
     again. Exceptions from the engine or the emulator propagate (an engine that crashes fails)."""
@@ -154,16 +153,52 @@ def run_scenario(
         if kind == "dense"
         else (adapter.build_moe, adapter.load_moe, adapter.forward_moe)
     )
-    with adapter.stand_in(mode, kind):
+    calls: list[tuple[str, dict[str, Any]]] = []
+    with adapter.stand_in(mode, kind, recording_module_tree(calls), ckpt):
         layer = build(ckpt, mode)
         load(layer, ckpt)
         adapter.post_load(layer)
-        before = identities(adapter.graph_captured_params(layer))
         with torch.no_grad():
             y = forward(layer, *forward_args).clone()
+        # After the first forward: engines create some graph-captured state lazily (SGLang's CuTe DSL
+        # wrapper and its alphas), and a graph is captured after warm-up forwards.
+        before = identities(adapter.graph_captured_params(layer))
         load(layer, ckpt)  # a reload: same checkpoint, same shapes
         adapter.post_load(layer)
-        after = identities(adapter.graph_captured_params(layer))
         with torch.no_grad():
             y_reload = forward(layer, *forward_args).clone()
-    return EngineRun(kind, mode, y, y_reload, before, after, list(call_log or []))
+        after = identities(adapter.graph_captured_params(layer))
+    return EngineRun(kind, mode, y, y_reload, before, after, calls)
+
+
+def _describe(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return f"{v.dtype} {tuple(v.shape)}"
+    return v if isinstance(v, (int, float, str, bool, type(None), torch.dtype)) else type(v).__name__
+
+
+def recording_module_tree(calls: list) -> dict:
+    """The emulator's module tree with every function wrapped to append ``(name, {arg: description})`` to
+    ``calls``: which FlashInfer entry points the engine used, with which shapes and dtypes."""
+    import functools
+
+    from reference_impl.flashinfer_emulator import flashinfer_module_tree
+
+    modules = flashinfer_module_tree()
+    wrapped: dict[int, Any] = {}
+    for mod in modules.values():
+        for name, fn in list(vars(mod).items()):
+            if name.startswith("_") or not callable(fn) or isinstance(fn, type) or isinstance(fn, type(mod)):
+                continue
+            if id(fn) not in wrapped:
+
+                @functools.wraps(fn)
+                def record(*args, _fn=fn, _name=name, **kwargs):
+                    described = {f"arg{i}": _describe(a) for i, a in enumerate(args)}
+                    described.update({k: _describe(v) for k, v in kwargs.items()})
+                    calls.append((_name, described))
+                    return _fn(*args, **kwargs)
+
+                wrapped[id(fn)] = record
+            setattr(mod, name, wrapped[id(fn)])
+    return modules
