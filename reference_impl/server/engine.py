@@ -128,7 +128,8 @@ class Engine:
             mask = torch.zeros_like(probs, dtype=torch.bool)
             mask[order[keep]] = True
             probs = torch.where(mask, probs, torch.zeros_like(probs))
-        return int(torch.multinomial(probs.cpu() / probs.sum(), 1, generator=gen))
+        probs = probs.cpu()  # the seeded generator lives on the CPU: sample there, on every device alike
+        return int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
 
     def generate(self, requests: list[GenerateRequest]) -> dict[int, GenerateResult]:
         """Results of the requests this rank's data-parallel group serves, keyed by request index."""
