@@ -139,15 +139,15 @@ class SGLangAdapter(EngineAdapter):
 
     def skip_reason(self) -> str | None:
         try:
-            import sglang
-            from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE  # noqa: F401
-            from sglang.srt.layers.quantization import modelopt_quant  # noqa: F401
+            # The suite's CPU import helper (a torchvision placeholder: PyPI torchvision needs CUDA torch).
+            from ..engines._sglang_import import import_sglang_module
+
+            import_sglang_module("sglang.srt.layers.quantization.modelopt_quant")
+            import_sglang_module("sglang.srt.layers.moe.fused_moe_triton.layer")
+            import_sglang_module("sglang.srt.layers.linear")
         except Exception as exc:  # an engine that does not import is not runnable here
-            return f"SGLang is not importable ({type(exc).__name__}: {exc}); install ci/requirements-sglang.txt"
-        version = getattr(sglang, "__version__", "unknown")
-        if version != TESTED_VERSION:
-            return None  # still run: the harness reports what it finds; the adapter was written for 0.5.23
-        return None
+            return f"SGLang is not importable ({type(exc).__name__}: {exc}); see ci/requirements-sglang.txt"
+        return None  # other versions still run: the adapter was written for TESTED_VERSION
 
     def version(self) -> str:
         import sglang
