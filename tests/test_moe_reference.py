@@ -354,3 +354,18 @@ def test_flashinfer_moe_skip_reasons_on_this_machine() -> None:
     assert "intermediate % 64" in fim.flashinfer_moe_skip_reason(odd)
     with pytest.raises(RuntimeError, match="CUDA"):
         fim.prepare_moe(build_global_experts(SMALL), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("cap, expect", [((9, 0), "found SM90 (NVIDIA H200)"), ((10, 0), None), ((12, 0), "found SM120")])
+def test_flashinfer_moe_capability_gate(monkeypatch, cap, expect) -> None:
+    """The capability branch, on CPU: a pretend GPU and the emulated wrapper (FlashInfer's own
+    ``is_compute_capability_supported`` query is used when the real wrapper imports)."""
+    from reference_impl import flashinfer_emulator as emu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(fim, "_import_wrapper", lambda: (emu.CuteDslMoEWrapper, emu.ActivationType))
+    info = CaseInfo("moe", torch.device("cuda"), {"intermediate": 128}, frozenset({"swiglu"}))
+    reason = fim.flashinfer_moe_skip_reason(info)
+    assert reason is None if expect is None else expect in reason
