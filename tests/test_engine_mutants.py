@@ -120,6 +120,23 @@ def _fc2_input_scale_passed(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(fc, "ensure_cutedsl_wrapper", mutated)
 
 
+def _moe_alpha_includes_input_scale(mp: pytest.MonkeyPatch) -> None:
+    """The MoE GEMM alphas keep the checkpoint input scales under W4A16 (not neutralized to 1)."""
+    from sglang.srt.layers.moe.moe_runner import flashinfer_cutedsl as fc
+
+    original = fc.resolve_cutedsl_standard_scales
+
+    def mutated(layer):
+        w1_alpha, fc2_input_scale, w2_alpha, used = original(layer)
+        lo = layer.moe_ep_rank * layer.num_local_experts
+        sel = slice(lo, lo + layer.num_local_experts)
+        w1_alpha = w1_alpha * layer.w13_input_scale.max(dim=-1).values[sel].float()
+        w2_alpha = w2_alpha * layer.w2_input_scale[sel].float()
+        return w1_alpha, fc2_input_scale, w2_alpha, used
+
+    mp.setattr(fc, "resolve_cutedsl_standard_scales", mutated)
+
+
 def _reload_rebinds(mp: pytest.MonkeyPatch) -> None:
     """Post-load processing rebinds parameter storage (``param.data = new``) even when shape and dtype
     are unchanged, instead of copying into it: the address a captured CUDA graph reads goes stale."""
@@ -141,6 +158,7 @@ MUTANTS = [
     EngineMutant("w4a16-unswizzled-scales-too-small", _unswizzled_scales_to_prepare, _CASES["dense-w4a16-plain"], "scenario_completes"),
     EngineMutant("w4a16-unswizzled-scales-same-size", _unswizzled_scales_to_prepare, _FULL_TILES, "output_within_bound"),
     EngineMutant("w4a16-activations-quantized", _activations_quantized, _CASES["dense-w4a16-plain"], "output_within_bound"),
+    EngineMutant("moe-w4a16-alpha-includes-input-scale", _moe_alpha_includes_input_scale, _CASES["moe-w4a16-4-experts"], "output_within_bound"),
     EngineMutant("moe-w4a16-fc2-input-scale-passed", _fc2_input_scale_passed, _CASES["moe-w4a16-4-experts"], "scenario_completes"),
     EngineMutant("w4a16-reload-rebinds-same-shape", _reload_rebinds, _CASES["dense-w4a16-plain"], "reload_keeps_identity"),
     EngineMutant("moe-w4a16-reload-rebinds-same-shape", _reload_rebinds, _CASES["moe-w4a16-4-experts"], "reload_keeps_identity"),
