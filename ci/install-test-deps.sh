@@ -10,7 +10,4 @@ python -c "import torch" 2>/dev/null || $PIP "torch==2.13.0"
 $PIP -e ".[test]"
 $PIP --no-deps "flashinfer-python==0.7.4"
 $PIP -r ci/requirements-flashinfer-cpu.txt
-if [ -f ci/requirements-sglang.txt ]; then
-  $PIP --no-deps "sglang==0.5.23"
-  $PIP -r ci/requirements-sglang.txt
-fi
+$PIP --no-deps -r ci/requirements-sglang.txt
