@@ -15,8 +15,8 @@ with the environment variable ``NVFP4_SNAPSHOT_DIR`` (used by the self-tests to 
 from __future__ import annotations
 
 import json
-import math
 import os
+import re
 import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -71,7 +71,13 @@ def serialize_entries(entries: Mapping[str, Any]) -> str:
         if not isinstance(name, str):
             raise TypeError(f"snapshot entry names must be strings, got {name!r}")
         out[name] = _serialize_entry(name, value)
-    return json.dumps({"format": SNAPSHOT_FORMAT, "entries": out}, indent=1) + "\n"
+    text = json.dumps({"format": SNAPSHOT_FORMAT, "entries": out}, indent=1)
+    # Lists of plain numbers (shapes) on one line; hex lines stay one per line for readable diffs.
+    return re.sub(r"\[([-\d,\s]*)\]", _one_line, text) + "\n"
+
+
+def _one_line(match: re.Match) -> str:
+    return "[" + ", ".join(item.strip() for item in match.group(1).split(",") if item.strip()) + "]"
 
 
 def _serialize_entry(name: str, value: Any) -> dict:
