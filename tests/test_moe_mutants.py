@@ -115,3 +115,18 @@ def test_output_contract_check_accepts_reference_shape() -> None:
     run = run_moe_case(KernelLayoutMoE(), CPU_CASES["t1_e8_k1_h128_i64"])
     check_moe_output_contract(run)
     assert run.outputs[0].dtype == torch.bfloat16
+
+
+def test_at_real_sizes_summary_figures_reject_what_the_loose_bound_lets_through() -> None:
+    """Hidden 4096 / intermediate 1536: the worst-case bound exceeds |y| (see bounds_moe), so a structural
+    bug can pass ``moe_within_bound``; FlashInfer's summary thresholds still reject it."""
+    from tests.mutants.moe import ActivationOnUpHalf
+
+    case = MoECase("real_size_probe", "cpu", 8, 4, 2, 4096, 1536)
+    run = run_moe_case(ActivationOnUpHalf(), case)
+    try:
+        figures = check_moe_within_bound(run)
+    except AssertionError:
+        return  # caught by the bound after all: fine
+    with pytest.raises(AssertionError, match=r"^\[moe_summary_figures\]"):
+        check_moe_summary_figures(figures, run)
