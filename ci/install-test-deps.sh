@@ -11,3 +11,4 @@ $PIP -e ".[test]"
 $PIP --no-deps "flashinfer-python==0.7.4"
 $PIP -r ci/requirements-flashinfer-cpu.txt
 $PIP --no-deps -r ci/requirements-sglang.txt
+$PIP -r ci/requirements-sglang-extra.txt

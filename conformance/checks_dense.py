@@ -90,12 +90,15 @@ def check_output_dtype_and_shape(run: DenseRun) -> None:
     )
 
 
-def check_within_error_bound(run: DenseRun) -> ErrorFigures:
+def check_within_error_bound(run: DenseRun, record: Callable[[ErrorFigures], None] | None = None) -> ErrorFigures:
     """Every element whose exact value is finite is within the derived bound (``bound_ratio <= 1``).
-    Returns the figures (bound ratio, relative L2, cosine) for the report."""
+    Returns the figures (bound ratio, relative L2, cosine) for the report; ``record`` receives them before
+    the assertion, so a failing case's report shows how far out it was."""
     check_output_dtype_and_shape(run)
     exact, bound = exact_and_bound(run)
     fig = error_figures(run.y, exact, bound)
+    if record is not None:
+        record(fig)
     assert fig.bound_ratio <= 1.0, (
         f"W4A16 output outside the derived error bound: max |y - y*| / bound = {fig.bound_ratio:.4g}\n"
         f"  worst element {fig.worst_index}: got {fig.worst_got!r}, exact {fig.worst_exact!r}, "

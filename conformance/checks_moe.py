@@ -8,6 +8,8 @@ the contribution of its own experts only.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -103,13 +105,16 @@ def check_moe_output_contract(run: MoERun) -> None:
             )
 
 
-def check_moe_within_bound(run: MoERun) -> ErrorFigures:
+def check_moe_within_bound(run: MoERun, record: Callable[[ErrorFigures], None] | None = None) -> ErrorFigures:
     """Every rank's output within the derived per-element bound of its exact value
-    (:func:`conformance.bounds_moe.moe_error_bound`). Returns the figures of the worst rank."""
+    (:func:`conformance.bounds_moe.moe_error_bound`). Returns the figures of the worst rank; ``record``
+    receives each rank's figures before its assertion (so a failing case's report shows them)."""
     check_moe_output_contract(run)
     worst = None
     for r, (y, ref) in enumerate(zip(run.outputs, rank_bounds(run))):
         fig = error_figures(y, ref.exact, ref.bound)
+        if record is not None and (worst is None or fig.bound_ratio > worst.bound_ratio):
+            record(fig)
         if not fig.bound_ratio <= 1.0:
             raise _fail("moe_within_bound", f"rank {r}: {_worst_report(fig)}", run, r)
         if worst is None or fig.bound_ratio > worst.bound_ratio:

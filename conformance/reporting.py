@@ -35,6 +35,7 @@ AREAS: tuple[tuple[str, str], ...] = (
     ("reload", "reload"),
     ("server", "server"),
     ("engine", "engine integration"),
+    ("emulator", "engine integration"),
 )
 OTHER_AREA = "other"
 EXPECTATIONS_AREA = "expectations"

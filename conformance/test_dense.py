@@ -27,10 +27,13 @@ def _run(backend: Backend, case: DenseCase):
 @pytest.mark.parametrize("case", as_params(DENSE_CASES))
 def test_dense_matches_reference(backend: Backend, case: DenseCase, record_property) -> None:
     run = _run(backend, case)
-    figures = check_within_error_bound(run)
+    figures = check_within_error_bound(run, record=lambda fig: _record(record_property, fig))
+    check_summary_figures(figures, run)
+
+
+def _record(record_property, figures) -> None:
     for name, value in figures.properties().items():
         record_property(name, value)
-    check_summary_figures(figures, run)
 
 
 @pytest.mark.parametrize("case", as_params(DENSE_CASES))

@@ -39,9 +39,7 @@ def _run(backend: Backend, case: MoECase):
 @pytest.mark.parametrize("case", as_params(MOE_CASES))
 def test_moe_matches_reference(backend: Backend, case: MoECase, record_property) -> None:
     run = _run(backend, case)
-    figures = check_moe_within_bound(run)
-    for name, value in figures.properties().items():
-        record_property(name, value)
+    figures = check_moe_within_bound(run, record=lambda fig: _record(record_property, fig))
     check_moe_summary_figures(figures, run)
     check_moe_deterministic(run, backend)
 
@@ -54,3 +52,8 @@ def test_moe_expert_parallel_sum(backend: Backend, case: MoECase) -> None:
 @pytest.mark.parametrize("case", as_params(SCALE_CASES))
 def test_moe_input_scales_ignored(backend: Backend, case: MoECase) -> None:
     check_moe_input_scales_ignored(_run(backend, case), backend)
+
+
+def _record(record_property, figures) -> None:
+    for name, value in figures.properties().items():
+        record_property(name, value)

@@ -15,10 +15,13 @@ from ..engines import EngineLoadError, EngineUnavailable, engine_spec, load_engi
 def rules_engine(request: pytest.FixtureRequest):
     """The engine under test, built once (importing SGLang takes tens of seconds); skips every rule case with
     the reason when the engine cannot run here (e.g. SGLang not installed)."""
-    spec = engine_spec(request.config.getoption("--engine", default=None))
+    requested = request.config.getoption("--engine", default=None)
+    spec = engine_spec(requested)
     try:
         return load_engine(spec)
     except EngineUnavailable as exc:
+        if requested:  # asked for by name: not being able to run it is a failure, not a skip
+            pytest.fail(f"--engine {spec!r} was requested but cannot run here: {exc}", pytrace=False)
         pytest.skip(f"engine {spec!r} unavailable: {exc}")
     except EngineLoadError as exc:
         if ":" in spec:

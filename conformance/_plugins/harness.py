@@ -24,6 +24,8 @@ def engine_adapter(pytestconfig: pytest.Config):
     except EngineLoadError as exc:
         raise pytest.UsageError(str(exc)) from exc
     reason = adapter.skip_reason()
+    if reason and pytestconfig.getoption("--engine"):  # asked for by name: a failure, not a skip
+        pytest.fail(f"--engine {adapter.name!r} was requested but cannot run here: {reason}", pytrace=False)
     if reason:
         pytest.skip(f"engine {adapter.name!r} not runnable here: {reason}")
     return adapter
