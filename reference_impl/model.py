@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .checkpoint import Checkpoint, CheckpointError, QuantConfig, TensorSpec, check_tensors, linear_specs
-from .moe import fused_moe_w4a16
+from .moe import ExpertWeights, fused_moe_w4a16
 from .nvfp4 import BLOCK_SIZE, e2m1_decode, e4m3_decode, unpack_nibbles
 from .routing import softmax_topk
 
@@ -201,27 +201,7 @@ def shard_weights(cfg: ModelConfig, tensors: dict[str, torch.Tensor], layout: La
     return {k: v.to(device) for k, v in out.items()}
 
 
-@dataclass(frozen=True)
-class _LocalExperts:
-    """This rank's experts of one MoE layer in the form :mod:`reference_impl.moe` reads: W13 as halves
-    ``[gate; up]`` (this rank's intermediate slice of each), per-expert (gate, up) and down decode scales."""
-
-    w13: torch.Tensor
-    w13_scale: torch.Tensor
-    w13_scale_2: torch.Tensor
-    w2: torch.Tensor
-    w2_scale: torch.Tensor
-    w2_scale_2: torch.Tensor
-    ep_rank: int
-    activation: str = "swiglu"
-    activation_params: dict | None = None
-
-    @property
-    def num_local_experts(self) -> int:
-        return self.w13.shape[0]
-
-
-def _stack_experts(w: dict, p: str, local: list[int], num_experts: int) -> _LocalExperts:
+def _stack_experts(w: dict, p: str, local: list[int], num_experts: int) -> ExpertWeights:
     def field_of(e, proj, f):
         return w[f"{p}.experts.{e}.{proj}.{f}"]
 
@@ -234,7 +214,7 @@ def _stack_experts(w: dict, p: str, local: list[int], num_experts: int) -> _Loca
     s2 = torch.stack([field_of(e, "down_proj", "weight_scale") for e in local])
     ws2 = torch.stack([field_of(e, "down_proj", "weight_scale_2") for e in local])
     ep_rank = local[0] // len(local)  # contiguous equal ranges (shard_weights)
-    return _LocalExperts(w13, s13, ws13, w2, s2, ws2, ep_rank, "swiglu", {})
+    return ExpertWeights(w13, s13, ws13, w2, s2, ws2, activation="swiglu", ep_rank=ep_rank)
 
 
 class Comm:
@@ -258,7 +238,7 @@ class TinyModel:
                  act_dtype: torch.dtype = torch.bfloat16):
         self.cfg, self.w, self.comm, self.act = cfg, weights, comm or Comm(), act_dtype
         self._decoded: dict[str, torch.Tensor] | None = None
-        self._experts: dict[str, _LocalExperts] | None = None
+        self._experts: dict[str, ExpertWeights] | None = None
         self.local_experts = sorted({int(k.split(".")[5]) for k in weights if ".mlp.experts." in k})
 
     # ------------------------------------------------------------------ building blocks

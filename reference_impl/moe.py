@@ -27,7 +27,7 @@ Ids outside this rank's range (other ranks' experts, or negative padding ids) co
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -56,6 +56,31 @@ class NVFP4Experts(Protocol):
 
     @property
     def num_local_experts(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """A concrete :class:`NVFP4Experts`: this rank's experts in checkpoint form (W13 as halves
+    ``[gate; up]``, per-expert (gate, up) and down decode scales). Used wherever ``reference_impl`` builds
+    experts itself (online quantization, the reference model, the FlashInfer emulator)."""
+
+    w13: torch.Tensor
+    w13_scale: torch.Tensor
+    w13_scale_2: torch.Tensor
+    w2: torch.Tensor
+    w2_scale: torch.Tensor
+    w2_scale_2: torch.Tensor
+    activation: str = "swiglu"
+    activation_params: dict = field(default_factory=dict)
+    ep_rank: int = 0
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.w13.shape[0]
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.w2.shape[2] * 2
 
 
 # ----------------------------------------------------------------------------------------- activations

@@ -21,10 +21,9 @@ candidate errors in lower precision and may pick the other candidate on near-tie
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
+from .moe import ExpertWeights
 from .nvfp4 import (
     E2M1_MAX,
     E4M3_MAX,
@@ -90,37 +89,13 @@ def quantize_online(w: torch.Tensor, recipe: str = "modelopt") -> NVFP4Weight:
     raise ValueError(f"unknown online recipe {recipe!r}; known: {', '.join(RECIPES)}")
 
 
-@dataclass(frozen=True)
-class OnlineExperts:
-    """Quantized experts with the fields of ``conformance.adapter.MoEExperts`` (duck-typed, so
-    ``reference_impl`` does not import the suite)."""
-
-    w13: torch.Tensor
-    w13_scale: torch.Tensor
-    w13_scale_2: torch.Tensor
-    w2: torch.Tensor
-    w2_scale: torch.Tensor
-    w2_scale_2: torch.Tensor
-    activation: str = "swiglu"
-    activation_params: dict = field(default_factory=dict)
-    ep_rank: int = 0
-
-    @property
-    def num_local_experts(self) -> int:
-        return self.w13.shape[0]
-
-    @property
-    def intermediate_size(self) -> int:
-        return self.w2.shape[2] * 2
-
-
 def quantize_experts_online(
     w13_hp: torch.Tensor,
     w2_hp: torch.Tensor,
     activation: str = "swiglu",
     recipe: str = "modelopt",
     activation_params: dict | None = None,
-) -> OnlineExperts:
+) -> ExpertWeights:
     """BF16 experts ``w13_hp [E, 2I, H]`` (halves ``[gate; up]``; ``[E, I, H]`` for relu2) and
     ``w2_hp [E, H, I]`` -> NVFP4 experts in checkpoint form, quantized expert by expert as SGLang's
     online loader does (gate+up share one decode scale)."""
@@ -136,14 +111,14 @@ def quantize_experts_online(
         p2.append(q2.packed)
         s2.append(q2.block_scale)
         ss2.append(q2.weight_scale_2.reshape(()))
-    return OnlineExperts(
+    return ExpertWeights(
         torch.stack(p13), torch.stack(s13), torch.stack(ss13).contiguous(),
         torch.stack(p2), torch.stack(s2), torch.stack(ss2),
         activation, dict(activation_params or {}),
     )
 
 
-def dequantize_experts(experts: OnlineExperts) -> tuple[torch.Tensor, torch.Tensor]:
+def dequantize_experts(experts: ExpertWeights) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``(w13 [E, 2I, H], w2 [E, H, I])`` of quantized experts (gate/up with their own scales)."""
     w13 = torch.stack([
         torch.cat([

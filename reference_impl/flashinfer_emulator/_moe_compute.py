@@ -2,35 +2,14 @@
 operands back to checkpoint form and evaluate :func:`reference_impl.moe.fused_moe_w4a16` on them."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
-from ..moe import fused_moe_w4a16
+from ..moe import ExpertWeights, fused_moe_w4a16
 from ..nvfp4 import BLOCK_SIZE, from_cutedsl_w13
 from .layouts import linear_scales_from_swizzled_bytes, raw_bytes
 
 _SWAP_AB_GROUP_ROWS = 16  # swap_ab=True: up16/gate16 row groups (CuteDslMoEWrapper docstring)
 _DEFAULT_GROUP_ROWS = 64  # swap_ab=False: up64/gate64 row groups
-
-
-@dataclass(frozen=True)
-class _DecodedExperts:
-    """Satisfies :class:`reference_impl.moe.NVFP4Experts`."""
-
-    w13: torch.Tensor
-    w13_scale: torch.Tensor
-    w13_scale_2: torch.Tensor
-    w2: torch.Tensor
-    w2_scale: torch.Tensor
-    w2_scale_2: torch.Tensor
-    activation: str
-    activation_params: dict = field(default_factory=dict)
-    ep_rank: int = 0
-
-    @property
-    def num_local_experts(self) -> int:
-        return self.w13.shape[0]
 
 
 def _padded(n: int, m: int) -> int:
@@ -86,7 +65,7 @@ def run_w4a16_experts(wrapper, x, ids, weights, w1, w1_sf, w1_alpha, w2, w2_sf, 
         w13 = from_cutedsl_w13(w13, group)
         w13_scale = from_cutedsl_w13(w13_scale.view(torch.uint8), group).view(torch.float8_e4m3fn)
     activation, params = _activation(wrapper)
-    experts = _DecodedExperts(
+    experts = ExpertWeights(
         w13=w13, w13_scale=w13_scale, w13_scale_2=torch.stack((a1, a1), dim=1),  # one alpha for both halves
         w2=down, w2_scale=down_scale, w2_scale_2=a2, activation=activation, activation_params=params,
     )
