@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from .checkpoint import Checkpoint, CheckpointError, QuantConfig, TensorSpec, check_tensors, linear_specs
 from .moe import ExpertWeights, fused_moe_w4a16
-from .nvfp4 import BLOCK_SIZE, e2m1_decode, e4m3_decode, unpack_nibbles
+from .nvfp4 import BLOCK_SIZE, dequantize
 from .routing import softmax_topk
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3_moe"}
@@ -252,8 +252,8 @@ class TinyModel:
         for name, t in self.w.items():
             if name.endswith(".weight_scale") and not name.endswith("_2"):
                 prefix = name[: -len(".weight_scale")]
-                codes = e2m1_decode(unpack_nibbles(self.w[f"{prefix}.weight"]), torch.float64)
-                self._decoded[prefix] = codes * e4m3_decode(t).double().repeat_interleave(BLOCK_SIZE, dim=-1)
+                # weight_scale_2 = 1 keeps the product exact: e2m1 * e4m3 is representable in fp32 and fp64
+                self._decoded[prefix] = dequantize(self.w[f"{prefix}.weight"], t, 1.0, torch.float64)
 
     def linear(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
         """This rank's partial ``((x * pre_quant_scale) @ dequant(W)^T) * weight_scale_2`` in fp64, the
