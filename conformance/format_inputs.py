@@ -6,11 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .format_oracles import e2m1_value_from_fields, e4m3_value_from_fields
+from .format_oracles import E2M1_VALUES, E4M3_VALUES, FLT_MAX
 
-FLT_MAX = float(np.finfo(np.float32).max)
-E2M1_VALUES = tuple(e2m1_value_from_fields(c) for c in range(16))
-E4M3_VALUES = tuple(e4m3_value_from_fields(b) for b in range(256))
 
 
 # ----------------------------------------------------------------------------------------- input families

@@ -217,3 +217,9 @@ def check_kernel_recipe_flashinfer(quantize_kernel, swizzle, x: torch.Tensor, gl
         compare_bits("kernel-recipe packed codes vs FlashInfer", packed, want_packed)
         or compare_bits("kernel-recipe swizzled scales vs FlashInfer", swizzle(sf).view(torch.uint8), want_sf)
     )
+
+
+# Value tables derived from the bit fields above, shared by the format cases and input families.
+FLT_MAX = float(np.finfo(np.float32).max)
+E2M1_VALUES = tuple(e2m1_value_from_fields(c) for c in range(16))
+E4M3_VALUES = tuple(e4m3_value_from_fields(b) for b in range(256))
