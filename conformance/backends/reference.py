@@ -1,6 +1,7 @@
 """The embedded reference backend: :mod:`reference_impl` math, CPU and CUDA."""
 from __future__ import annotations
 
+from dataclasses import fields, replace
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ class ReferenceBackend(Backend):
         return f"reference_impl {reference_impl.__version__}, torch {torch.__version__}"
 
     def prepare_dense(self, layer: DenseLayer, device: torch.device) -> Any:
-        return DenseLayer(*(t.to(device) if isinstance(t, torch.Tensor) else t for t in _fields(layer)))
+        return _on_device(layer, device)
 
     def run_dense(self, prepared: DenseLayer, x: torch.Tensor) -> torch.Tensor:
         return w4a16_linear(
@@ -35,7 +36,7 @@ class ReferenceBackend(Backend):
 
     # MoE (owned by the MoE area, issue 5): the reference fused MoE, fp32 accumulation, bf16 intermediate.
     def prepare_moe(self, experts: MoEExperts, device: torch.device) -> Any:
-        return MoEExperts(*(t.to(device) if isinstance(t, torch.Tensor) else t for t in _fields(experts)))
+        return _on_device(experts, device)
 
     def run_moe(
         self, prepared: MoEExperts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
@@ -43,7 +44,7 @@ class ReferenceBackend(Backend):
         return fused_moe_w4a16(x, topk_ids, topk_weights, prepared)
 
 
-def _fields(layer) -> list:
-    from dataclasses import fields
-
-    return [getattr(layer, f.name) for f in fields(layer)]
+def _on_device(layer: DenseLayer | MoEExperts, device: torch.device):
+    """The same checkpoint dataclass with every tensor field moved to ``device``."""
+    moved = {f.name: getattr(layer, f.name).to(device) for f in fields(layer) if isinstance(getattr(layer, f.name), torch.Tensor)}
+    return replace(layer, **moved)
