@@ -30,7 +30,7 @@ class ReferenceRules(RulesEngine):
         self.profile = R.check_profile(profile)
 
     def version(self) -> str:
-        return f"reference_impl (SPEC.md 4-6, rules profile {self.profile})"
+        return f"reference_impl, rules profile {self.profile}"
 
     def resolve_dense(self, inputs: Inputs) -> dict[str, Any]:
         backend = R.resolve_fp4_gemm_backend(inputs["fp4_backend"], inputs["platform"], self.profile)
