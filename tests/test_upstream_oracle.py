@@ -62,3 +62,35 @@ def test_disagreement_is_reported_with_both_sides(mutant, profile, entry):
     verdict, detail = judge(mutant(profile), exp, profile)
     assert verdict == DISAGREE
     assert "upstream:" in detail and "engine:" in detail and exp.source["test"] in detail
+
+
+def test_unknown_profile_is_an_error_naming_the_known_ones():
+    from conformance.engines.matrix import load_matrix, load_profile
+
+    with pytest.raises(ValueError, match="sglang-0.5.23"):
+        load_profile("sglang-9.9")
+    with pytest.raises(ValueError, match="unknown rules profile"):
+        load_matrix("moe")[0].expected_for("sglang-9.9")
+    with pytest.raises(ValueError, match="unknown rules profile"):
+        ReferenceRules("sglang-9.9")
+
+
+def test_report_names_rules_engine_and_profile(tmp_path):
+    """A run with --report-dir records the rules engine (with version) and the profile, in summary.json and
+    in report.md; the main-only expectations pass under --rules-profile sglang-main."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "conformance/test_config_rules_upstream.py",
+         "-k", "fp4_backend or deepep", "--rules-profile", "sglang-main", "--engine", "reference",
+         "--report-dir", str(tmp_path)], cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["rules"]["profiles"] == ["sglang-main"]
+    assert summary["rules"]["engines"] == ["reference (reference_impl, rules profile sglang-main)"]
+    assert summary["counts"] == {"passed": 7}
+    assert "- Rules engine: reference (reference_impl, rules profile sglang-main); rules profile: sglang-main" in (
+        tmp_path / "report.md").read_text()
