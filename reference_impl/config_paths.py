@@ -139,7 +139,8 @@ def _fp4_format(config: Mapping[str, Any]) -> tuple[str, int | None]:
     return algo, group
 
 
-def quant_method_from_hf(*, config_json: Mapping[str, Any] | None, hf_quant_config: Mapping[str, Any] | None) -> dict[str, Any]:
+def quant_method_from_hf(*, config_json: Mapping[str, Any] | None,
+                         hf_quant_config: Mapping[str, Any] | None) -> dict[str, Any]:
     """What a checkpoint's ``config.json`` ``quantization_config`` (checked first) or its standalone
     ``hf_quant_config.json`` selects: the method name, its config class, and for modelopt_fp4 the
     checkpoint format and group size. A config.json method other than ``modelopt`` is kept as is."""

@@ -94,3 +94,20 @@ def test_report_names_rules_engine_and_profile(tmp_path):
     assert summary["counts"] == {"passed": 7}
     assert "- Rules engine: reference (reference_impl, rules profile sglang-main); rules profile: sglang-main" in (
         tmp_path / "report.md").read_text()
+
+
+def test_engine_without_the_optional_methods_reports_them_unsupported():
+    """A third-party engine written before the optional methods existed keeps working: those matrices and
+    oracle checks are reported unsupported (skipped with the method's name), not failed."""
+    from conformance.engine import OPTIONAL_METHODS, RulesEngine
+
+    ref = ReferenceRules()
+    abstract = {name: (lambda n: lambda self, *a, **k: getattr(ref, n)(*a, **k))(name)
+                for name in RulesEngine.__abstractmethods__}
+    minimal = type("MinimalEngine", (RulesEngine,), abstract)()
+    for matrix, method in OPTIONAL_METHODS.items():
+        assert method in (minimal.unsupported(matrix, {}) or ""), matrix
+    assert minimal.unsupported("dense", {}) is None
+    (exp,) = [e for e in load_expectations() if e.id == "derived_param/alias"]
+    verdict, reason = judge(minimal, exp, "sglang-0.5.23")
+    assert verdict == NOT_APPLICABLE and "bind_derived_param" in reason

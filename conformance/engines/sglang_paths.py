@@ -101,7 +101,8 @@ class SglangPathRules:
     def moe_activation(self, inputs: Inputs) -> dict[str, Any]:
         m = import_sglang_module
         cutedsl = m("sglang.srt.layers.moe.moe_runner.flashinfer_cutedsl")
-        standard, fi_disp = m("sglang.srt.layers.moe.token_dispatcher.standard"), m("sglang.srt.layers.moe.token_dispatcher.flashinfer")
+        standard = m("sglang.srt.layers.moe.token_dispatcher.standard")
+        fi_disp = m("sglang.srt.layers.moe.token_dispatcher.flashinfer")
         topk, base = m("sglang.srt.layers.moe.topk"), m("sglang.srt.layers.moe.moe_runner.base")
         u, rc = self.moe_utils, self.runtime
         dispatch = inputs["dispatch"]
@@ -112,7 +113,8 @@ class SglangPathRules:
         with contextlib.ExitStack() as stack:
             stack.enter_context(self._environment(**env))
             stack.enter_context(rc.override_platform(is_blackwell=True, is_sm100=True))
-            stack.enter_context(rc.get_flags().moe.override(runner_backend=u.MoeRunnerBackend.FLASHINFER_CUTEDSL, a2a_backend=a2a))
+            stack.enter_context(rc.get_flags().moe.override(runner_backend=u.MoeRunnerBackend.FLASHINFER_CUTEDSL,
+                                                            a2a_backend=a2a))
             stack.enter_context(mock.patch.dict(sys.modules, fi.modules))
             stack.enter_context(mock.patch.object(self.fu, "fp4_quantize", fi.fp4_quantize))
             # GPU-only sizing probes of ensure_cutedsl_wrapper: one rank, CUDA graphs off.
