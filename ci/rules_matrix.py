@@ -1,11 +1,13 @@
-"""Run the configuration/guard rule matrices against one engine and print cases per matrix and run time.
+"""Run the configuration/guard rule matrices and the upstream-expectations oracle against one engine; print
+cases per matrix, oracle verdicts per area (agree / disagree / n/a) and run time.
 
-    python ci/rules_matrix.py                    # reference engine
+    python ci/rules_matrix.py                    # reference engine, rules profile sglang-0.5.23
     python ci/rules_matrix.py --engine sglang    # SGLang 0.5.23's own code on CPU
+    python ci/rules_matrix.py --rules-profile sglang-main   # the reference rules as SGLang main
     python ci/rules_matrix.py --engine sglang --budget 60   # exit 1 if the whole run exceeds 60 s
 
-Exit status 1 if any case fails (the failures are printed with inputs, expected and actual) or the budget
-is exceeded. Unsupported cases are counted and listed with the engine's reason.
+Exit status 1 if any case fails or any upstream expectation disagrees (printed with both sides), or the
+budget is exceeded. Unsupported cases are counted and listed with the engine's reason.
 """
 from __future__ import annotations
 
@@ -18,14 +20,22 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from conformance.engines import EngineUnavailable, engine_spec, load_engine  # noqa: E402
-from conformance.engines.matrix import MATRICES, load_matrix, mismatch, run_case  # noqa: E402
+from conformance.engines.matrix import (DEFAULT_PROFILE, MATRICES, load_matrix, load_profile,  # noqa: E402
+                                        mismatch, run_case)
+from conformance.engines.oracle import AGREE, DISAGREE, NOT_APPLICABLE, tally  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engine", default=None, help="reference | sglang | module:attr (default $NVFP4_CONFORMANCE_ENGINE or reference)")
+    parser.add_argument("--rules-profile", default=DEFAULT_PROFILE, help="rules profile (default %(default)s)")
     parser.add_argument("--budget", type=float, default=None, help="fail if the total wall time exceeds this many seconds")
     args = parser.parse_args(argv)
+    profile = args.rules_profile
+    try:
+        load_profile(profile)
+    except ValueError as exc:
+        parser.error(str(exc))
     spec = engine_spec(args.engine)
     start = time.perf_counter()
     try:
@@ -33,9 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     except EngineUnavailable as exc:
         print(f"engine {spec!r} unavailable: {exc}")
         return 2
+    engine.use_profile(profile)
     load_s = time.perf_counter() - start
-    print(f"engine: {engine.name} ({engine.version()}); load {load_s:.1f} s")
-    print(f"{'matrix':<10} {'cases':>6} {'passed':>7} {'failed':>7} {'unsupp.':>8} {'seconds':>8}  expected kinds")
+    print(f"engine: {engine.name} ({engine.version()}); rules profile: {profile}; load {load_s:.1f} s")
+    print(f"{'matrix':<15} {'cases':>6} {'passed':>7} {'failed':>7} {'unsupp.':>8} {'seconds':>8}  expected kinds")
     failures, reasons, totals = [], Counter(), Counter()
     for name in MATRICES:
         t0 = time.perf_counter()
@@ -47,18 +58,31 @@ def main(argv: list[str] | None = None) -> int:
                 counts["unsupported"] += 1
                 reasons[reason] += 1
                 continue
-            problem = mismatch(case, run_case(engine, case))
+            problem = mismatch(case, run_case(engine, case), profile)
             counts["failed" if problem else "passed"] += 1
             if problem:
                 failures.append(problem)
-        kinds = Counter(c.expected["kind"] for c in cases)
-        print(f"{name:<10} {len(cases):>6} {counts['passed']:>7} {counts['failed']:>7} {counts['unsupported']:>8} "
+        kinds = Counter(c.expected_for(profile)["kind"] for c in cases)
+        print(f"{name:<15} {len(cases):>6} {counts['passed']:>7} {counts['failed']:>7} {counts['unsupported']:>8} "
               f"{time.perf_counter() - t0:>8.2f}  " + ", ".join(f"{k}={v}" for k, v in sorted(kinds.items())))
         totals.update(counts)
         totals["cases"] += len(cases)
+    matrices_s = time.perf_counter() - start - load_s
+    print(f"{'total':<15} {totals['cases']:>6} {totals['passed']:>7} {totals['failed']:>7} {totals['unsupported']:>8} "
+          f"{matrices_s:>8.2f}")
+    t0 = time.perf_counter()
+    counts = tally(engine, profile)
+    disagreements = counts.pop("_failures")
+    print(f"\nupstream expectations (fixtures/config_rules/upstream_expectations.json), rules profile {profile}")
+    print(f"{'area':<15} {'agree':>6} {'disagree':>9} {'n/a':>5}")
+    for area, c in sorted(counts.items()):
+        print(f"{area:<15} {c[AGREE]:>6} {c[DISAGREE]:>9} {c[NOT_APPLICABLE]:>5}")
+    print(f"{'total':<15} {sum(c[AGREE] for c in counts.values()):>6} "
+          f"{sum(c[DISAGREE] for c in counts.values()):>9} {sum(c[NOT_APPLICABLE] for c in counts.values()):>5}"
+          f"  ({time.perf_counter() - t0:.2f} s)")
+    failures += disagreements
     total_s = time.perf_counter() - start
-    print(f"{'total':<10} {totals['cases']:>6} {totals['passed']:>7} {totals['failed']:>7} {totals['unsupported']:>8} "
-          f"{total_s - load_s:>8.2f}  (+ {load_s:.1f} s engine load = {total_s:.1f} s)")
+    print(f"\nwall time {total_s:.1f} s (engine load {load_s:.1f} s)")
     for reason, n in reasons.items():
         print(f"unsupported x{n}: {reason}")
     for problem in failures[:20]:

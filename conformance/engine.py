@@ -6,14 +6,17 @@ All inputs are strings as the matrices spell them (env values ``"unset"``/``"0"`
 restore every process-wide state it touches (environment variables, module globals) before returning.
 
 Select one with ``pytest --engine NAME|module:attr`` or ``NVFP4_CONFORMANCE_ENGINE``; built-ins are
-``reference`` and ``sglang`` (the real SGLang 0.5.23 code on CPU). Matrices and outcomes:
-docs/config_rules.md.
+``reference`` and ``sglang`` (the real SGLang 0.5.23 code on CPU). The expected outcomes come from a rules
+profile (``--rules-profile``, default sglang-0.5.23). Matrices and outcomes: docs/config_rules.md.
+
+The methods after ``reload_param`` were added with the rule profiles; they are optional: an engine that does
+not implement one reports that matrix as unsupported (its cases skip, naming the missing method).
 """
 from __future__ import annotations
 
 import abc
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -29,8 +32,16 @@ class RulesEngine(abc.ABC):
     def version(self) -> str:
         return "unknown"
 
+    def use_profile(self, profile: str) -> None:
+        """Told the rules profile under test. An engine that can take on several (the reference) switches;
+        a real engine is one version and ignores it (a mismatch shows as failing cases)."""
+
     def unsupported(self, matrix: str, inputs: Inputs) -> str | None:
-        """``None`` if the case can be run here, otherwise why not (the case skips with that reason)."""
+        """``None`` if the case can be run here, otherwise why not (the case skips with that reason).
+        Overrides must return ``super().unsupported(...)`` when they have no reason of their own."""
+        method = OPTIONAL_METHODS.get(matrix)
+        if method and getattr(type(self), method) is getattr(RulesEngine, method):
+            return f"engine {self.name!r} does not implement RulesEngine.{method} (matrix {matrix})"
         return None
 
     @abc.abstractmethod
@@ -68,3 +79,49 @@ class RulesEngine(abc.ABC):
     def reload_param(self, module: torch.nn.Module, name: str, new_value: torch.Tensor, *, graph_captured: bool) -> None:
         """``reload``: bind ``new_value`` to ``module.<name>`` the way the engine re-prepares weights after a
         reload (``graph_captured``: CUDA graphs captured the current storage)."""
+
+    # ---- optional ---------------------------------------------------------------------------------------------
+
+    def fp4_gemm_backend(self, inputs: Inputs) -> dict[str, Any]:
+        """``fp4_backend``: ``fp4_backend`` (as given to --fp4-gemm-backend), ``platform`` (sm100, sm90, sm120,
+        sm121, cpu) -> ``{"backend": the FP4 GEMM runner backend it resolves to}``."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement RulesEngine.fp4_gemm_backend")
+
+    def moe_activation(self, inputs: Inputs) -> dict[str, Any]:
+        """``moe_activation``: ``quantization`` (modelopt_fp4 | nvfp4_online), env ``w4a16``, env ``per_token``
+        (SGLANG_FLASHINFER_NVFP4_PER_TOKEN_ACTIVATION), ``dispatch`` -> what the flashinfer_cutedsl runner hands
+        the CuTe DSL kernel: ``{"activations": bf16|nvfp4_static|nvfp4_per_token|nvfp4_dispatched, "x_sf":
+        bool, "per_token_scale": bool, "fc2_input_scale": bool, "combine": standard|flashinfer}``."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement RulesEngine.moe_activation")
+
+    def fp4_dispatch(self, inputs: Inputs) -> dict[str, Any]:
+        """``fp4_dispatch``: ``runner``, ``a2a``, env ``w4a16``, ``nvfp4_dispatch`` (resolved, 0|1),
+        ``dp_attention`` (off|on, with ep_size == attn_dp_size), ``per_token`` (0|1) -> ``{"dispatch_fp4":
+        bool}``: whether the NVFP4 MoE layer has its dispatcher quantize activations to NVFP4."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement RulesEngine.fp4_dispatch")
+
+    def bind_derived_param(self, module: torch.nn.Module, source_name: str, derived_name: str,
+                           value: torch.Tensor) -> None:
+        """``derived_param``: bind ``value`` (derived from ``module.<source_name>``) under ``derived_name`` the
+        way the engine's post-load processing does (alias into the source's storage when it can)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement RulesEngine.bind_derived_param")
+
+    def quant_method(self, config_json: Optional[Mapping[str, Any]],
+                     hf_quant_config: Optional[Mapping[str, Any]]) -> dict[str, Any]:
+        """``quant_method``: a checkpoint's config.json ``quantization_config`` and/or hf_quant_config.json ->
+        ``{"quant_method", "config_class", "fp4_format" (modelopt_fp4: the checkpoint format its config
+        accepts, or "rejected"), "group_size"}``."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement RulesEngine.quant_method")
+
+    def mixed_layer(self, quantized_layers: Mapping[str, Any], packed: Mapping[str, list], kind: str, prefix: str,
+                    name_mapping: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
+        """``mixed_layers``: a MIXED_PRECISION checkpoint's ``quantized_layers`` (after renaming checkpoint name
+        prefixes per ``name_mapping``), fused-module ``packed`` map, and a runtime module (``kind``: linear |
+        lm_head | moe, its ``prefix``) -> ``{"quant_algo", "method": quant method class name or None}``."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement RulesEngine.mixed_layer")
+
+
+#: matrix -> the optional RulesEngine method that answers it
+OPTIONAL_METHODS = {"fp4_backend": "fp4_gemm_backend", "moe_activation": "moe_activation",
+                    "fp4_dispatch": "fp4_dispatch", "derived_param": "bind_derived_param",
+                    "quant_method": "quant_method", "mixed_layers": "mixed_layer"}

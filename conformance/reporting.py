@@ -239,6 +239,17 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def rules_under_test(tests: Iterable[Mapping[str, Any]]) -> dict[str, list[str]]:
+    """The rules engines (name and version) and rules profiles the run's rule cases recorded."""
+    found: dict[str, set[str]] = {"engines": set(), "profiles": set()}
+    for t in tests:
+        props = t.get("properties", {})
+        for key, bucket in (("rules_engine", "engines"), ("rules_profile", "profiles")):
+            if props.get(key):
+                found[bucket].add(str(props[key]))
+    return {k: sorted(v) for k, v in found.items()}
+
+
 def render_markdown(summary: Mapping[str, Any]) -> str:
     """The human-readable report: verdict, run facts, the area x backend table, then each failure with
     its repro command and artifacts, expected failures with reasons, and skips grouped by reason."""
@@ -262,6 +273,8 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
         f"- Tiers run: {', '.join(tiers['run']) or 'none'}",
         f"- Tiers skipped: {skipped_tiers}",
         f"- Expectations: {summary.get('expectations') or 'none'}",
+        *([f"- Rules engine: {', '.join(summary['rules']['engines'])}; rules profile: "
+           f"{', '.join(summary['rules']['profiles'])}"] if (summary.get("rules") or {}).get("engines") else []),
         f"- Tests: {len(tests)}",
         "",
         "## Conformance table",

@@ -4,12 +4,9 @@ from __future__ import annotations
 import pytest
 
 from conformance.cases import as_params
-from conformance.engines.matrix import check_case, load_matrix
+from conformance.engines.matrix import load_matrix
 
 
 @pytest.mark.parametrize("case", as_params(load_matrix("lm_head")))
-def test_lm_head(rules_engine, case):
-    reason = rules_engine.unsupported(case.matrix, case.inputs)
-    if reason:
-        pytest.skip(reason)
-    check_case(rules_engine, case)
+def test_lm_head(rules_check, case):
+    rules_check(case)

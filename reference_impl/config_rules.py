@@ -6,11 +6,19 @@ raises the exception type the engine raises, with a message carrying the engine'
 
 Environment variables are given as ``"unset"``, ``"0"`` or ``"1"``; SGLang distinguishes *unset* from
 *set to false* for ``SGLANG_MOE_NVFP4_DISPATCH`` (``is_set()`` versus ``get()``), so we keep all three.
+
+Rule profiles: the functions whose rule changed upstream after 0.5.23 take ``profile`` (one of
+:data:`PROFILES`). ``sglang-0.5.23`` is the pinned release; ``sglang-main`` is SGLang's main branch on the
+rules its own tests pin differently (``MAIN:`` marks each; sources in fixtures/config_rules/profiles/).
 """
 from __future__ import annotations
 
+DEFAULT_PROFILE = "sglang-0.5.23"
+PROFILES = (DEFAULT_PROFILE, "sglang-main")
+
 FP4_GEMM_BACKENDS = ("auto", "flashinfer_cudnn", "flashinfer_cutedsl", "flashinfer_cutlass", "flashinfer_trtllm", "marlin")
 PLATFORMS = ("sm100", "sm90", "cpu")
+FP4_BACKEND_PLATFORMS = ("sm100", "sm90", "sm120", "sm121", "cpu")  # sm120/sm121: RTX/GB10-class Blackwell
 QUANT_ALGOS = ("NVFP4", "NVFP4_AWQ", "W4A16_NVFP4", "FP8")
 NVFP4_MOE_RUNNERS = ("flashinfer_cutedsl", "flashinfer_cutlass", "flashinfer_trtllm", "flashinfer_trtllm_routed")
 A2A_BACKENDS = ("none", "deepep", "flashinfer")
@@ -29,6 +37,12 @@ class RejectedEarlier(Exception):
         self.error = error
 
 
+def check_profile(profile: str) -> str:
+    if profile not in PROFILES:
+        raise ValueError(f"unknown rules profile {profile!r}: use one of {PROFILES}")
+    return profile
+
+
 def env_true(value: str) -> bool:
     if value not in ENV_VALUES:
         raise ValueError(f"env value must be one of {ENV_VALUES}, got {value!r}")
@@ -37,13 +51,18 @@ def env_true(value: str) -> bool:
 
 # ---- dense -----------------------------------------------------------------------------------------------
 
-def resolve_fp4_gemm_backend(backend: str, platform: str) -> str:
+def resolve_fp4_gemm_backend(backend: str, platform: str, profile: str = DEFAULT_PROFILE) -> str:
     """``--fp4-gemm-backend auto`` resolves by platform (CODE: fp4_utils.initialize_fp4_gemm_config):
-    SM100 -> flashinfer_cutedsl, SM80..SM9x -> marlin, anything else -> flashinfer_cutlass."""
+    SM100 -> flashinfer_cutedsl, SM80..SM9x -> marlin, anything else -> flashinfer_cutlass. An explicit
+    choice is kept on every platform.
+    MAIN: SM120 and SM121 ``auto`` -> flashinfer_b12x (FlashInfer's SM12x dense NVFP4 GEMM, API name b12x)."""
+    check_profile(profile)
     if backend not in FP4_GEMM_BACKENDS:
         raise ValueError(f"unknown FP4 GEMM backend {backend!r}")
     if backend != "auto":
         return backend
+    if profile == "sglang-main" and platform in ("sm120", "sm121"):
+        return "flashinfer_b12x"
     return {"sm100": "flashinfer_cutedsl", "sm90": "marlin"}.get(platform, "flashinfer_cutlass")
 
 
@@ -109,11 +128,16 @@ def check_moe_kernel_config(runner: str, quantization: str) -> None:
         raise RejectedEarlier(AssertionError(f"Invalid quantization '{quant}'."))
 
 
-def resolve_deepep_mode(runner: str, deepep_mode: str) -> str:
+def resolve_deepep_mode(runner: str, deepep_mode: str, *, w4a16: bool = False, profile: str = DEFAULT_PROFILE) -> str:
     """flashinfer_cutedsl with DeepEP: auto -> low_latency; normal -> ValueError (no CuTe DSL normal-dispatch
-    handler; unrelated to W4A16, so :class:`RejectedEarlier`)."""
+    handler; unrelated to W4A16, so :class:`RejectedEarlier`).
+    MAIN: normal is accepted under W4A16 (the CuTe DSL wrapper serves DeepEP normal dispatch with rank-local
+    expert ids and BF16 activations); without W4A16 it stays rejected (no upstream test says otherwise)."""
+    check_profile(profile)
     if runner != "flashinfer_cutedsl":
         return deepep_mode
+    if deepep_mode == "normal" and w4a16 and profile == "sglang-main":
+        return "normal"
     if deepep_mode == "normal":
         raise RejectedEarlier(ValueError("flashinfer_cutedsl FP4 MoE only supports DeepEP low_latency dispatch"))
     return "low_latency"
@@ -162,12 +186,16 @@ def a2a_dispatch_dtype(
 
 # ---- MoE layer --------------------------------------------------------------------------------------------
 
-def moe_quant_mode(*, env_w4a16: str, runner: str, a2a: str, deepep_mode: str) -> str:
+def moe_quant_mode(*, env_w4a16: str, runner: str, a2a: str, deepep_mode: str, profile: str = DEFAULT_PROFILE) -> str:
     """The NVFP4 MoE layer's mode. SPEC 4: W4A16 iff the env flag is true AND the runner is flashinfer_cutedsl
     on its standard (v2) path (A2A none or flashinfer). DeepEP + flashinfer_cutedsl is the v1 masked path:
-    W4A4 only, W4A16 there raises ValueError (CODE: at the layer's first forward)."""
+    W4A4 only, W4A16 there raises ValueError (CODE: at the layer's first forward).
+    MAIN: DeepEP *normal* + flashinfer_cutedsl + W4A16 is accepted and runs W4A16."""
+    w4a16 = env_true(env_w4a16)
     if a2a == "deepep":
-        resolve_deepep_mode(runner, deepep_mode)
+        mode = resolve_deepep_mode(runner, deepep_mode, w4a16=w4a16, profile=profile)
+        if runner == "flashinfer_cutedsl" and mode == "normal":
+            return "w4a16"  # only reachable on sglang-main with W4A16
     if runner != "flashinfer_cutedsl":
         return "w4a4"
     if a2a == "deepep":

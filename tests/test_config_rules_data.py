@@ -1,5 +1,6 @@
-"""The rule matrices in fixtures/config_rules/ are up to date, complete products, and say what SPEC 4-6 say
-on the points the upstream review found wrong."""
+"""The rule matrices in fixtures/config_rules/ are up to date, complete products (less the declared
+exclusions), their rules profiles name their sources, and they say what SPEC 4-6 say on the points the
+upstream review found wrong."""
 from __future__ import annotations
 
 import itertools
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance.engines.matrix import MATRICES, load_matrix
+from conformance.engines.matrix import MATRICES, load_matrix, load_profile, profile_names
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,9 +29,13 @@ def test_matrix_is_the_full_product(matrix):
     data = json.loads((ROOT / "fixtures" / "config_rules" / f"{matrix}.json").read_text())
     axes = data["axes"]
     cases = load_matrix(matrix)
-    assert len(cases) == math.prod(len(v) for v in axes.values())
+    product = set(itertools.product(*axes.values()))
+    excluded = {combo for combo in product for ex in data.get("excluded", [])
+                if all(combo[list(axes).index(k)] == v for k, v in ex["when"].items())}
+    assert all(ex["reason"] for ex in data.get("excluded", []))
+    assert len(cases) == math.prod(len(v) for v in axes.values()) - len(excluded)
     seen = {tuple(c.inputs[a] for a in axes) for c in cases}
-    assert seen == set(itertools.product(*axes.values()))
+    assert seen == product - excluded
     assert len({c.id for c in cases}) == len(cases)
     for c in cases:
         assert c.expected["kind"] in ("ok", "raises", "rejected_earlier"), c.id
@@ -75,3 +80,54 @@ def test_fusions_only_under_w4a4():
     for c in load_matrix("fusion"):
         if c.inputs["gate_up"] != "nvfp4_w4a4":
             assert c.expected["value"] == {"enabled": False}, c.id
+
+
+@pytest.mark.parametrize("profile", profile_names())
+def test_profile_names_its_sources_and_overrides_real_cases(profile):
+    data = load_profile(profile)
+    assert data["profile"] == profile and data["engine"] and data["checked_against"]
+    for src in data["sources"]:
+        assert src["repo"] and src["file"] and src["tests"] and len(src["commit"]) == 40, src
+    ids = {m: {c.id for c in load_matrix(m)} for m in MATRICES}
+    for matrix, overrides in data["overrides"].items():
+        assert set(overrides) <= ids[matrix], (matrix, set(overrides) - ids[matrix])
+    if profile != "sglang-0.5.23":
+        assert data["sources"] and data["overrides"], "a profile other than the default must say what changed and why"
+
+
+def test_main_profile_accepts_w4a16_under_deepep_normal_and_picks_b12x_on_sm12x():
+    (normal,) = [c for c in load_matrix("moe") if c.id == "deepep-normal-flashinfer_cutedsl-w4a16=1"]
+    assert normal.expected_for("sglang-0.5.23")["kind"] == "rejected_earlier"
+    assert normal.expected_for("sglang-main") == {"kind": "ok", "value": {"quant_mode": "w4a16"}}
+    for c in load_matrix("fp4_backend"):
+        if c.inputs["fp4_backend"] == "auto" and c.inputs["platform"] in ("sm120", "sm121"):
+            assert c.expected_for("sglang-0.5.23")["value"] == {"backend": "flashinfer_cutlass"}
+            assert c.expected_for("sglang-main")["value"] == {"backend": "flashinfer_b12x"}
+
+
+def test_w4a16_moe_activations_stay_bf16_and_per_token_is_forced_off():
+    for c in load_matrix("moe_activation"):
+        if c.inputs["w4a16"] == "1":
+            value = c.expected["value"]
+            assert (value["activations"], value["x_sf"], value["per_token_scale"], value["fc2_input_scale"]) == (
+                "bf16", False, False, False), c.id
+    prefill = _case("moe_activation", quantization="modelopt_fp4", w4a16="0", per_token="0", dispatch="flashinfer_prefill")
+    assert prefill["value"]["activations"] == "nvfp4_static" and prefill["value"]["combine"] == "standard"
+
+
+def test_w4a16_never_dispatches_fp4():
+    for c in load_matrix("fp4_dispatch"):
+        if c.inputs["runner"] == "flashinfer_cutedsl" and c.inputs["w4a16"] == "1":
+            assert c.expected["value"] == {"dispatch_fp4": False}, c.id
+
+
+def test_fp4_checkpoints_select_modelopt_fp4_and_w4a16_mixed_selects_the_mixed_method():
+    for c in load_matrix("quant_method"):
+        algo = c.inputs["quant_algo"]
+        if algo in ("NVFP4", "NVFP4_AWQ", "FP4", "W4A16_NVFP4"):
+            assert c.expected["value"]["quant_method"] == "modelopt_fp4", c.id
+        if algo == "MIXED_PRECISION_W4A16":
+            assert c.expected["value"]["quant_method"] == "modelopt_mixed", c.id
+    for c in load_matrix("mixed_layers"):
+        if c.inputs["module"] == "lm_head":
+            assert c.expected["value"]["quant_algo"] == c.inputs["format"], c.id

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from conformance.engines.matrix import MATRICES, load_matrix, mismatch, run_case
+from conformance.engines.matrix import DEFAULT_PROFILE, MATRICES, load_matrix, mismatch, profile_names, run_case
 from conformance.engines.reference import ReferenceRules
-from tests.mutants.rules import ACCEPTED_VARIANTS, MUTANTS
+from tests.mutants.rules import ACCEPTED_VARIANTS, MUTANTS, PROFILE_MUTANTS
 
 
-def _failures(engine, matrix: str) -> dict[str, str]:
+def _failures(engine, matrix: str, profile: str = DEFAULT_PROFILE) -> dict[str, str]:
+    engine.use_profile(profile)
     failures = {}
     for case in load_matrix(matrix):
         if engine.unsupported(matrix, case.inputs):
             continue
-        problem = mismatch(case, run_case(engine, case))
+        problem = mismatch(case, run_case(engine, case), profile)
         if problem:
             failures[case.id] = problem
     return failures
@@ -29,9 +30,40 @@ def test_mutant_is_caught(mutant):
     assert "expected" in failures[catching_case] and "inputs" in failures[catching_case]
 
 
+@pytest.mark.parametrize("mutant", list(PROFILE_MUTANTS), ids=lambda m: m.name)
+def test_profile_mutant_is_caught_by_its_profile(mutant):
+    """A mutant that keeps the 0.5.23 rule where main changed it: caught under sglang-main, and (being the
+    0.5.23 rule) not caught under sglang-0.5.23 on that case."""
+    profile, matrix, catching_case = PROFILE_MUTANTS[mutant]
+    failures = _failures(mutant(), matrix, profile)
+    assert catching_case in failures, f"{mutant.name} not caught by {matrix}[{catching_case}] under {profile}"
+    assert catching_case not in _failures(mutant(), matrix, DEFAULT_PROFILE)
+
+
+@pytest.mark.parametrize("profile", profile_names())
 @pytest.mark.parametrize("matrix", MATRICES)
-def test_reference_passes_every_matrix(matrix):
-    assert _failures(ReferenceRules(), matrix) == {}
+def test_reference_passes_every_matrix(matrix, profile):
+    assert _failures(ReferenceRules(), matrix, profile) == {}
+
+
+def test_profiles_differ_exactly_on_their_overrides():
+    """The 0.5.23 reference judged by sglang-main fails exactly the cases main overrides (and vice versa):
+    a profile changes outcomes only where its sources say the rule changed."""
+    from conformance.engines.matrix import load_profile
+
+    overrides = load_profile("sglang-main")["overrides"]
+    assert overrides, "sglang-main overrides nothing"
+    for matrix in MATRICES:
+        want = set(overrides.get(matrix, {}))
+        assert set(_failures(_Pinned(DEFAULT_PROFILE), matrix, "sglang-main")) == want, matrix
+        assert set(_failures(_Pinned("sglang-main"), matrix, DEFAULT_PROFILE)) == want, matrix
+
+
+class _Pinned(ReferenceRules):
+    """A reference engine that keeps its profile whatever it is told (as a real engine of one version does)."""
+
+    def use_profile(self, profile: str) -> None:
+        pass
 
 
 @pytest.mark.parametrize("variant", ACCEPTED_VARIANTS, ids=lambda v: v.name)
@@ -58,6 +90,9 @@ def test_sglang_engine_runs_sglang_code():
     except EngineUnavailable as exc:
         pytest.skip(f"sglang engine unavailable: {exc}")
     fu = engine.fu
+    from conformance.engines._sglang_import import import_sglang_module
+
+    model_config = import_sglang_module("sglang.srt.configs.model_config")
     breakages = [  # (module, attribute, broken version, matrix, a case that must now fail)
         (engine.common, "copy_or_rebind_param", _always_rebind, "reload", "parameter-new=same-captured=no"),
         (engine.logits, "should_apply_lm_head_quant_method", lambda head, method: True, "lm_head",
@@ -66,6 +101,20 @@ def test_sglang_engine_runs_sglang_code():
          "flashinfer-w4a16=1-nvfp4_dispatch=1-type=none-flashinfer_cutedsl-modelopt_fp4"),
         (engine.mq, "get_fp4_gemm_runner_backend", lambda: fu.Fp4GemmRunnerBackend.FLASHINFER_CUTEDSL, "dense",
          "w4a16=1-flashinfer_cutlass-cpu-NVFP4"),
+        # The recapture guard: a refresh without it (copies what fits, rebinds the rest) must fail the case.
+        (engine.cutedsl, "refresh_cutedsl_standard_scales_for_weight_update", _refresh_without_guard, "reload",
+         "parameter-new=shape-captured=yes"),
+        (engine.common, "alias_or_bind_derived_param", lambda m, s, d, v: engine.common.copy_or_rebind_param(m, d, v),
+         "derived_param", "parameter-broadcast_row-before=absent"),
+        (fu, "initialize_fp4_gemm_config", _always_cutlass(fu), "fp4_backend", "auto-sm100"),
+        (engine.cutedsl, "ensure_cutedsl_wrapper", _w4a4_wrapper(engine.cutedsl), "moe_activation",
+         "nvfp4_online-w4a16=1-per_token=0-none"),
+        (engine.mq, "should_use_flashinfer_cutlass_moe_fp4_allgather", lambda: False, "fp4_dispatch",
+         "runner=flashinfer_cutlass-a2a=none-w4a16=0-nvfp4_dispatch=0-dp_attention=on-per_token=0"),
+        (model_config.ModelConfig, "_parse_modelopt_quant_config", lambda self, d: None, "quant_method",
+         "NVFP4-hf_quant_config"),
+        (engine.mq.ModelOptMixedPrecisionConfig, "_quantized_layer_prefix_candidates", staticmethod(lambda p: (p,)),
+         "mixed_layers", "vl-W4A16_NVFP4-shared_gate_up_proj"),
     ]
     for module, attr, broken, matrix, case_id in breakages:
         (case,) = [c for c in load_matrix(matrix) if c.id == case_id]
@@ -74,3 +123,38 @@ def test_sglang_engine_runs_sglang_code():
             mp.setattr(module, attr, broken)
             assert mismatch(case, run_case(engine, case)) is not None, (
                 f"patching {module.__name__}.{attr} did not change {matrix}[{case_id}]: the adapter is not calling it")
+
+
+def _refresh_without_guard(layer):
+    """SGLang's CuTe DSL scale refresh minus its recapture guard: copies what fits, rebinds what does not."""
+    from conformance.engines._sglang_import import import_sglang_module
+
+    cutedsl = import_sglang_module("sglang.srt.layers.moe.moe_runner.flashinfer_cutedsl")
+    w1_alpha, fc2, w2_alpha, _ = cutedsl.resolve_cutedsl_standard_scales(layer)
+    for current, value in zip(layer._cutedsl_scales, (w1_alpha, fc2, w2_alpha)):
+        if current.shape == value.shape and current.dtype == value.dtype:
+            current.data.copy_(value)
+        else:
+            current.data = value
+
+
+def _always_cutlass(fu):
+    def initialize():
+        fu.FP4_GEMM_RUNNER_BACKEND = fu.Fp4GemmRunnerBackend.FLASHINFER_CUTLASS
+    return initialize
+
+
+def _w4a4_wrapper(cutedsl):
+    """ensure_cutedsl_wrapper that builds the wrapper in W4A4 whatever the W4A16 switch says."""
+    original = cutedsl.ensure_cutedsl_wrapper
+
+    def ensure(layer):
+        import os
+
+        saved = os.environ.pop("SGLANG_FLASHINFER_CUTEDSL_NVFP4_W4A16", None)
+        try:
+            original(layer)
+        finally:
+            if saved is not None:
+                os.environ["SGLANG_FLASHINFER_CUTEDSL_NVFP4_W4A16"] = saved
+    return ensure

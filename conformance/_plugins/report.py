@@ -327,6 +327,7 @@ class _RunState:
             "repro_cwd": str(self.config.invocation_params.dir),
             "exit_status": int(exitstatus),
             "counts": counts,
+            "rules": reporting.rules_under_test(tests),
             "run_errors": [],
             "tests": tests,
         }

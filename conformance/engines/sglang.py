@@ -13,12 +13,15 @@ What is called (looked up on the SGLang modules at call time, so a monkeypatched
 - fusion: qwen3_5's ``_maybe_enable_silu_fp4_quant_fusion`` (called), deepseek_v2's shared-expert fusion
   condition (inline in ``DeepseekV2MoE.__init__``: its ``if`` test is taken from the installed source);
 - lm_head: ``logits_processor.should_apply_lm_head_quant_method`` on a real module and real method objects;
-- reload: ``layers.utils.common.copy_or_rebind_param``.
+- reload: ``layers.utils.common.copy_or_rebind_param``; for state a CUDA graph captured (``graph_captured``
+  with an existing Parameter) the CuTe DSL MoE scale refresh ``refresh_cutedsl_standard_scales_for_weight_update``,
+  where 0.5.23 keeps its recapture guard (the Parameter plays the captured GEMM1 alpha);
+- fp4_backend: ``fp4_utils.initialize_fp4_gemm_config`` under the case's platform probes;
+- the other matrices added with the rule profiles: see ``sglang_paths``.
 
-Hardware probes are answered by the case (``platform``: SM100 / SM90 / CPU) by patching SGLang's probe
-functions for the duration of one call; environment variables and SGLang's module globals are restored
-after every call. Unsupported here (skipped with the reason): reload cases with ``graph_captured`` (0.5.23
-has no recapture guard in ``copy_or_rebind_param``: see docs/config_rules.md).
+Hardware probes are answered by the case (``platform``: SM100 / SM90 / SM120 / SM121 / CPU) by patching SGLang's
+probe functions for the duration of one call; environment variables and SGLang's module globals are restored
+after every call.
 """
 from __future__ import annotations
 
@@ -34,9 +37,10 @@ import torch
 from ..engine import Inputs, RulesEngine
 from . import _source
 from ._sglang_import import SglangUnavailable, import_sglang_module, sglang_version
+from .sglang_paths import SglangPathRules
 
 _ENV_NAMES = {"w4a16": "SGLANG_FLASHINFER_CUTEDSL_NVFP4_W4A16", "nvfp4_dispatch": "SGLANG_MOE_NVFP4_DISPATCH"}
-_CAPABILITY = {"sm100": (10, 0), "sm90": (9, 0), "cpu": (0, 0)}
+_CAPABILITY = {"sm100": (10, 0), "sm90": (9, 0), "sm120": (12, 0), "sm121": (12, 1), "cpu": (0, 0)}
 
 
 @contextlib.contextmanager
@@ -77,8 +81,9 @@ def _ns(**kw: Any) -> types.SimpleNamespace:
     return types.SimpleNamespace(**kw)
 
 
-class SglangRules(RulesEngine):
+class SglangRules(SglangPathRules, RulesEngine):
     name = "sglang"
+    _environment = staticmethod(_environment)
 
     def __init__(self) -> None:
         m = import_sglang_module
@@ -92,6 +97,7 @@ class SglangRules(RulesEngine):
         self.runtime = m("sglang.srt.runtime_context")
         self.deepseek = m("sglang.srt.models.deepseek_v2")
         self.qwen = m("sglang.srt.models.qwen3_5")
+        self.cutedsl = m("sglang.srt.layers.moe.moe_runner.flashinfer_cutedsl")
         import flashinfer
 
         self.flashinfer = flashinfer
@@ -100,13 +106,6 @@ class SglangRules(RulesEngine):
 
     def version(self) -> str:
         return f"sglang {sglang_version()} (CPU, rule code only)"
-
-    def unsupported(self, matrix: str, inputs: Inputs) -> str | None:
-        if (matrix == "reload" and inputs.get("graph_captured") == "yes" and inputs.get("existing") == "parameter"
-                and inputs.get("new") != "same"):
-            return ("SGLang 0.5.23 has no recapture guard: copy_or_rebind_param rebinds silently "
-                    "(SPEC 6 rule not in the pinned code; see docs/config_rules.md)")
-        return None
 
     # ---- dense --------------------------------------------------------------------------------------------
 
@@ -127,6 +126,10 @@ class SglangRules(RulesEngine):
             yield
         finally:
             fu.FP4_GEMM_RUNNER_BACKEND = saved
+
+    def fp4_gemm_backend(self, inputs: Inputs) -> dict[str, Any]:
+        with self._fp4_backend(inputs["fp4_backend"], inputs["platform"]):
+            return {"backend": self.fu.get_fp4_gemm_runner_backend().value}
 
     def _quant_config(self, quant_algo: str = "NVFP4"):
         return self.mq.ModelOptFp4Config.from_config(
@@ -301,7 +304,24 @@ class SglangRules(RulesEngine):
     # ---- reload ----------------------------------------------------------------------------------------------
 
     def reload_param(self, module, name, new_value, *, graph_captured: bool) -> None:
-        self.common.copy_or_rebind_param(module, name, new_value)
+        current = getattr(module, name, None)
+        if graph_captured and isinstance(current, torch.nn.Parameter):
+            self._refresh_captured_scale(current, new_value)
+        else:
+            self.common.copy_or_rebind_param(module, name, new_value)
+
+    def _refresh_captured_scale(self, captured: torch.Tensor, new_value: torch.Tensor) -> None:
+        """A reload under captured CUDA graphs, as SGLang handles the state it captures: the CuTe DSL MoE
+        scales are re-derived (``resolve_cutedsl_standard_scales``: here it yields ``new_value`` as the GEMM1
+        alpha, the other scales unchanged) and ``refresh_cutedsl_standard_scales_for_weight_update`` writes
+        them into the captured tensors in place, or raises RuntimeError asking for a recapture."""
+        cutedsl = self.cutedsl
+        others = (torch.ones(1), torch.ones(4), torch.ones(1))  # fc2 input scale, GEMM2 alpha, input scale
+        layer = _ns(quant_config=_ns(use_per_token_activation=False), _cutedsl_wrapper=_ns(quant_mode="w4a16"),
+                    _cutedsl_scales=(captured, others[0], others[1]), _cutedsl_input_scale=others[2])
+        derived = (new_value.detach(), others[0].clone(), others[1].clone(), others[2].clone())
+        with _patched(cutedsl, resolve_cutedsl_standard_scales=lambda _layer: derived):
+            cutedsl.refresh_cutedsl_standard_scales_for_weight_update(layer)
 
 
 def load() -> SglangRules:
