@@ -1,7 +1,10 @@
-"""The reference server's vLLM endpoints (vLLM 0.33.0's dev mode): sleep levels 1 and 2, partial wake-up,
-``/collective_rpc`` ``reload_weights``, ``/reset_prefix_cache``, in vLLM's request and response shapes.
+"""The reference server's vLLM endpoints (vLLM 0.33.0's dev mode): sleep levels 0, 1 and 2, partial wake-up,
+pause / resume, ``/collective_rpc`` ``reload_weights``, ``/reset_prefix_cache``, in vLLM's request and
+response shapes.
 Expected outputs are the server's own greedy outputs before the operation (or of the other checkpoint)."""
 from __future__ import annotations
+
+import threading
 
 import pytest
 import requests
@@ -61,7 +64,7 @@ def test_sleep_level_1_offloads_and_wake_up_restores(server, baseline):
     assert r.status_code == 200 and r.json() == {"status": "sleeping", "level": 1}
     assert is_sleeping(server)
     r = call(server, "POST", "/generate", json={"text": PROMPTS[0], "sampling_params": GREEDY})
-    assert r.status_code == 503 and "released" in r.json()["error"]
+    assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError"
     r = call(server, "POST", "/wake_up")
     assert r.json() == {"status": "awake", "tags": None} and not is_sleeping(server)
     assert outputs(server) == baseline  # the weights came back from their CPU copy, no reload
@@ -106,10 +109,42 @@ def test_collective_rpc_refuses(server, body, match):
     assert r.status_code == 400 and match in r.json()["error"]["message"]
 
 
+def test_sleep_level_0_pauses_scheduling_only(server, baseline):
+    assert call(server, "POST", "/sleep", params={"level": 0, "mode": "wait"}).json()["level"] == 0
+    assert is_sleeping(server) and not server.engine.released
+    assert call(server, "POST", "/generate", json={"text": PROMPTS[0], "sampling_params": GREEDY}).status_code == 503
+    assert call(server, "POST", "/wake_up", params={"tags": "scheduling"}).json() == {"status": "awake",
+                                                                                       "tags": ["scheduling"]}
+    assert not is_sleeping(server) and outputs(server) == baseline
+
+
+@pytest.mark.parametrize("mode", ["abort", "wait"])
+def test_pause_refuses_new_generation_until_resume(server, baseline, mode):
+    assert call(server, "POST", "/pause", params={"mode": mode}).json() == {"status": "paused"}
+    assert call(server, "GET", "/is_paused").json() == {"is_paused": True}
+    for path, body in (("/generate", {"text": "a", "sampling_params": GREEDY}), ("/v1/completions", {"prompt": "a"})):
+        r = call(server, "POST", path, json=body)
+        assert r.status_code == 503 and "paused" in r.json()["error"]["message"]
+    assert call(server, "POST", "/resume").json() == {"status": "resumed"}
+    assert call(server, "GET", "/is_paused").json() == {"is_paused": False} and outputs(server) == baseline
+
+
+def test_pause_keep_holds_generation_until_resume(server, baseline):
+    call(server, "POST", "/pause", params={"mode": "keep"})
+    held = []
+    thread = threading.Thread(target=lambda: held.append(outputs(server)))
+    thread.start()
+    thread.join(0.5)
+    assert thread.is_alive() and not held, "a request sent while paused in keep mode must wait for /resume"
+    call(server, "POST", "/resume")
+    thread.join(30)
+    assert held == [baseline]
+
+
 @pytest.mark.parametrize("path, params, match", [
-    ("/sleep", {"level": 0}, "sleep level 0 (pause scheduling, keep memory) is not supported"),
     ("/sleep", {"level": 3}, "level"),
     ("/sleep", {"mode": "later"}, "mode='later'"),
+    ("/pause", {"mode": "later"}, "mode='later'"),
     ("/wake_up", {"tags": "cuda_graph"}, "unknown wake_up tags ['cuda_graph']"),
 ])
 def test_sleep_and_wake_refuse(server, path, params, match):

@@ -18,6 +18,7 @@ raises ``AssertionError`` naming the endpoint and the answer, as the rest of the
 from __future__ import annotations
 
 import abc
+import threading
 import time
 from dataclasses import dataclass
 from typing import ClassVar, Sequence
@@ -229,14 +230,31 @@ class OpenAIDialect(ServerDialect):
 
 
 class VLLMDialect(OpenAIDialect):
-    """vLLM's OpenAI API plus its dev-mode weight and memory endpoints. Releasing memory is vLLM's
-    ``/sleep?level=2`` (weights discarded, like SGLang's release without CPU backup: reload them after
-    waking); vLLM sleeps as a whole, so only releasing everything is possible."""
+    """vLLM's OpenAI API plus its dev-mode weight and memory endpoints.
+
+    A reload is vLLM's documented weight-update sequence: ``/pause?mode=wait`` (in-flight requests finish;
+    new ones get 503 "retry"), ``/collective_rpc`` ``reload_weights``, ``/reset_prefix_cache`` (with
+    ``flush_cache``), ``/resume``. Generate requests this dialect sends while its own reload holds the
+    pause are retried, as vLLM asks of clients, so none is lost. Releasing memory is ``/sleep?level=2``
+    (weights discarded, like SGLang's release without CPU backup: reload them after waking); vLLM sleeps as
+    a whole, so only releasing everything is possible."""
 
     name = "vllm"
     health_path = "/health"
     unsupported = {}
     WAKE_TAGS = {"weights": "weights", "kv_cache": "kv_cache"}  # cuda_graph: vLLM keeps or restores graphs itself
+    RETRY_S = 0.05
+
+    def __init__(self, base_url: str, deadline: Deadline | None = None, max_request_s: float = 60.0):
+        super().__init__(base_url, deadline, max_request_s)
+        self._reloading = threading.Event()
+
+    def _call(self, method: str, path: str, **kwargs) -> requests.Response:
+        r = super()._call(method, path, **kwargs)
+        while r.status_code == 503 and path == "/v1/completions" and self._reloading.is_set():
+            time.sleep(self.RETRY_S)  # paused by our own reload: retry, bounded by the deadline
+            r = super()._call(method, path, **kwargs)
+        return r
 
     def _completion_body(self, prompts: Sequence[str], spec: SamplingSpec) -> dict:
         return super()._completion_body(prompts, spec) | {"return_tokens_as_token_ids": True}
@@ -249,15 +267,31 @@ class VLLMDialect(OpenAIDialect):
             raise AssertionError(f"/v1/completions: logprobs tokens {tokens} != token_ids {list(g.ids)}")
         return g
 
-    def reload_weights(self, path: str, flush_cache: bool = True) -> ReloadResult:
+    def _rpc_reload(self, path: str, flush_cache: bool) -> requests.Response:
         r = self._call("POST", "/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": path}})
+        if r.status_code == 200 and flush_cache:
+            self.flush_cache()
+        return r
+
+    def reload_weights(self, path: str, flush_cache: bool = True) -> ReloadResult:
+        sleeping = self._json(self._ok(self._call("GET", "/is_sleeping"), "/is_sleeping"), "/is_sleeping")
+        if sleeping.get("is_sleeping"):  # the sleep/wake sequence: nothing is generating, no pause to resume
+            r = self._rpc_reload(path, flush_cache)
+        else:
+            self._reloading.set()
+            try:
+                self._ok(self._call("POST", "/pause", params={"mode": "wait"}), "/pause?mode=wait")
+                try:
+                    r = self._rpc_reload(path, flush_cache)
+                finally:
+                    self._ok(self._call("POST", "/resume"), "/resume")
+            finally:
+                self._reloading.clear()
         if r.status_code != 200:
             data = self._json(r, "/collective_rpc reload_weights")
             error = data.get("error") if isinstance(data, dict) else None
             message = error.get("message") if isinstance(error, dict) else (error or r.text)
             return ReloadResult(False, f"reload_weights answered {r.status_code}: {message}")
-        if flush_cache:
-            self.flush_cache()
         return ReloadResult(True, f"reload_weights from {path!r}: {r.text[:200]}")
 
     def release_memory(self, tags: Sequence[str] | None = None) -> None:
