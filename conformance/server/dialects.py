@@ -248,11 +248,15 @@ class VLLMDialect(OpenAIDialect):
     def __init__(self, base_url: str, deadline: Deadline | None = None, max_request_s: float = 60.0):
         super().__init__(base_url, deadline, max_request_s)
         self._reloading = threading.Event()
+        self._reloads_done = 0  # a 503 answered while our reload held the pause may arrive after it ended
 
     def _call(self, method: str, path: str, **kwargs) -> requests.Response:
+        done = self._reloads_done
         r = super()._call(method, path, **kwargs)
-        while r.status_code == 503 and path == "/v1/completions" and self._reloading.is_set():
-            time.sleep(self.RETRY_S)  # paused by our own reload: retry, bounded by the deadline
+        while r.status_code == 503 and path == "/v1/completions" and (
+                self._reloading.is_set() or self._reloads_done != done):
+            time.sleep(self.RETRY_S)  # refused by our own reload's pause: retry, bounded by the deadline
+            done = self._reloads_done
             r = super()._call(method, path, **kwargs)
         return r
 
@@ -286,6 +290,7 @@ class VLLMDialect(OpenAIDialect):
                 finally:
                     self._ok(self._call("POST", "/resume"), "/resume")
             finally:
+                self._reloads_done += 1
                 self._reloading.clear()
         if r.status_code != 200:
             data = self._json(r, "/collective_rpc reload_weights")
