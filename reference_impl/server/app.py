@@ -1,4 +1,5 @@
-"""HTTP front end of the reference server: SGLang's native endpoints (SPEC.md section 6) on FastAPI.
+"""HTTP front end of the reference server: SGLang's native endpoints (SPEC.md section 6) on FastAPI, plus
+the OpenAI-compatible (:mod:`.openai_api`) and vLLM (:mod:`.vllm_api`) endpoints.
 
 Requests are validated here (bounded sizes, clear 4xx errors) and handed to a single scheduler thread that
 owns rank 0's runtime: consecutive generate requests are batched together; reloads and memory commands run
@@ -9,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import threading
-import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -18,37 +19,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .engine import MEMORY_TAGS, EngineError, GenerateRequest, SamplingParams
-
-MAX_BODY_BYTES = 1 << 20
-MAX_BATCH = 64
-MAX_NEW_TOKENS = 256
-
-
-class SamplingParamsIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    max_new_tokens: int = Field(16, ge=0, le=MAX_NEW_TOKENS)
-    temperature: float = Field(1.0, ge=0.0, le=100.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
-    min_p: float = Field(0.0, ge=0.0, le=0.0)  # accepted for compatibility; only 0 is supported
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    sampling_seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = Field(None, max_length=64)
-
-
-class GenerateIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: SamplingParamsIn | list[SamplingParamsIn] | None = None
-    return_logprob: bool = False
-    return_text_in_logprobs: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = Field(0, ge=0, le=0)
-    stream: bool = Field(False, description="streaming is not supported")
-    rid: str | list[str] | None = None
+from . import native_api, openai_api, vllm_api
+from .api_common import MAX_BATCH, MAX_BODY_BYTES, BadRequest
+from .engine import MEMORY_TAGS
+from .outputs import Detokenizer
 
 
 class UpdateWeightsIn(BaseModel):
@@ -62,12 +36,6 @@ class UpdateWeightsIn(BaseModel):
 class MemoryTagsIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     tags: list[str] | None = None
-
-
-class BadRequest(Exception):
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.status = status
 
 
 @dataclass
@@ -168,48 +136,6 @@ class Scheduler:
         self.rt.broadcast(("shutdown", None))
 
 
-def _normalise_generate(body: GenerateIn, tokenizer, cfg) -> tuple[list[GenerateRequest], list[int], bool]:
-    if (body.text is None) == (body.input_ids is None):
-        raise BadRequest("exactly one of 'text' and 'input_ids' is required")
-    if body.stream:
-        raise BadRequest("streaming is not supported by the reference server")
-    if body.text is not None:
-        batched = isinstance(body.text, list)
-        texts = body.text if batched else [body.text]
-        if any(len(t) > 16384 for t in texts):
-            raise BadRequest("text longer than 16384 characters")
-        ids = [tokenizer.encode(t).ids for t in texts]
-    else:
-        batched = bool(body.input_ids) and isinstance(body.input_ids[0], list)
-        ids = body.input_ids if batched else [body.input_ids]
-    if not ids or len(ids) > MAX_BATCH:
-        raise BadRequest(f"a request holds 1 to {MAX_BATCH} prompts, got {len(ids)}")
-    params = body.sampling_params
-    if isinstance(params, list):
-        if len(params) != len(ids):
-            raise BadRequest(f"{len(params)} sampling_params for {len(ids)} prompts")
-    else:
-        params = [params or SamplingParamsIn()] * len(ids)
-    requests = []
-    for seq, p in zip(ids, params):
-        if not seq:
-            raise BadRequest("empty prompt")
-        bad = [t for t in seq if not 0 <= t < cfg.vocab_size]
-        if bad:
-            raise BadRequest(f"token id {bad[0]} out of range [0, {cfg.vocab_size})")
-        if len(seq) + p.max_new_tokens > cfg_max_len(cfg):
-            raise BadRequest(f"prompt ({len(seq)} tokens) + max_new_tokens ({p.max_new_tokens}) exceeds the "
-                             f"context length {cfg_max_len(cfg)}")
-        seed = p.sampling_seed if p.sampling_seed is not None else p.seed
-        requests.append(GenerateRequest(tuple(seq), SamplingParams(
-            p.max_new_tokens, p.temperature, p.top_p, p.top_k, seed, p.ignore_eos, tuple(p.stop_token_ids or ()))))
-    return requests, [len(s) for s in ids], batched
-
-
-def cfg_max_len(cfg) -> int:
-    return cfg.max_position_embeddings
-
-
 def create_app(scheduler: Scheduler, tokenizer, server_info: dict) -> FastAPI:
     app = FastAPI(title="NVFP4 W4A16 reference server")
     engine = scheduler.rt.engine
@@ -248,25 +174,6 @@ def create_app(scheduler: Scheduler, tokenizer, server_info: dict) -> FastAPI:
     async def server_info_route():
         return {"model_path": engine.model_path, **server_info["parallel"], "device": server_info["device"]}
 
-    @app.post("/generate")
-    async def generate(body: GenerateIn):
-        requests, prompt_lens, batched = _normalise_generate(body, tokenizer, cfg)
-        try:
-            out = await scheduler.submit("generate", requests)
-        except EngineError as exc:
-            raise BadRequest(str(exc), status=503) from exc
-        responses = []
-        for res, plen in zip(out, prompt_lens):
-            meta = {"id": uuid.uuid4().hex, "finish_reason": res.finish_reason, "prompt_tokens": plen,
-                    "completion_tokens": len(res.output_ids), "cached_tokens": 0,
-                    "weight_version": str(engine.weight_version)}
-            if body.return_logprob:
-                meta["output_token_logprobs"] = [
-                    [lp, tok, tokenizer.decode([tok]) if body.return_text_in_logprobs else None]
-                    for lp, tok in zip(res.logprobs, res.output_ids)]
-            responses.append({"text": tokenizer.decode(res.output_ids), "output_ids": res.output_ids, "meta_info": meta})
-        return responses if batched else responses[0]
-
     @app.post("/update_weights_from_disk")
     async def update_weights(body: UpdateWeightsIn):
         ok, message = await scheduler.submit("update", body.model_path)
@@ -296,4 +203,8 @@ def create_app(scheduler: Scheduler, tokenizer, server_info: dict) -> FastAPI:
         await scheduler.submit("flush", None)
         return PlainTextResponse("Cache flushed.\n")
 
+    detok = Detokenizer(tokenizer, Path(server_info["tokenizer_path"]).parent)
+    native_api.register(app, scheduler, detok, cfg)  # POST /generate
+    openai_api.register(app, scheduler, detok, server_info)  # /v1/models, /v1/completions
+    vllm_api.register(app, scheduler, server_info)  # vLLM's sleep / wake-up / reload endpoints
     return app

@@ -10,6 +10,7 @@ import torch
 
 from ..checkpoint import load_checkpoint
 from ..model import Comm, Layout, ModelConfig, TinyModel, shard_weights, validate_checkpoint
+from .logprobs import InputLogprobs, LogprobRequest, Pairs, position_extras, score_prompt
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
@@ -23,12 +24,15 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    min_new_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens (SGLang's penalizer)
+    min_p: float = 0.0
 
 
 @dataclass(frozen=True)
 class GenerateRequest:
     input_ids: tuple[int, ...]
     params: SamplingParams
+    logprobs: LogprobRequest = LogprobRequest()
 
 
 @dataclass
@@ -36,6 +40,9 @@ class GenerateResult:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: dict | None = None
+    top_logprobs: list[Pairs | None] = field(default_factory=list)
+    token_ids_logprobs: list[Pairs | None] = field(default_factory=list)
+    input_logprobs: InputLogprobs | None = None
 
 
 class EngineError(RuntimeError):
@@ -53,6 +60,7 @@ class Engine:
         # world_agree(ok: bool) -> bool: True iff every rank says ok (identity on one rank)
         self._agree = world_agree or (lambda ok: ok)
         self.released: set[str] = set()
+        self.offloaded: dict[str, torch.Tensor] | None = None  # CPU copy of released weights (vLLM sleep level 1)
         ckpt = load_checkpoint(model_path)
         self.cfg: ModelConfig = validate_checkpoint(ckpt)
         self.model_path = model_path
@@ -102,15 +110,23 @@ class Engine:
             raise EngineError(f"unknown memory tags {unknown}; known: {list(MEMORY_TAGS)}")
         return tags
 
-    def release_memory_occupation(self, tags) -> None:
-        self.released.update(self._tags(tags))
+    def release_memory_occupation(self, tags, offload_weights: bool = False) -> None:
+        """``offload_weights``: keep a CPU copy of the weights, restored on resume (vLLM's sleep level 1);
+        otherwise released weights come back zeroed, as SGLang's without CPU backup (and vLLM's level 2)."""
+        tags = self._tags(tags)
+        if offload_weights and "weights" in tags and "weights" not in self.released:
+            self.offloaded = {k: t.to("cpu", copy=True) for k, t in self.weights.items()}
+        self.released.update(tags)
 
     def resume_memory_occupation(self, tags) -> None:
         for tag in self._tags(tags):
             if tag == "weights" and tag in self.released:
-                # Released memory comes back without its contents (no CPU backup): reload from disk next.
-                for t in self.weights.values():
-                    t.zero_()
+                for name, t in self.weights.items():
+                    if self.offloaded is not None:
+                        t.copy_(self.offloaded[name])
+                    else:  # released memory comes back without its contents: reload from disk next
+                        t.zero_()
+                self.offloaded = None
                 self.model.prepare()
             self.released.discard(tag)
 
@@ -128,6 +144,8 @@ class Engine:
             mask = torch.zeros_like(probs, dtype=torch.bool)
             mask[order[keep]] = True
             probs = torch.where(mask, probs, torch.zeros_like(probs))
+        if p.min_p > 0.0:  # relative to the most likely token, as SGLang and vLLM define it
+            probs = torch.where(probs >= p.min_p * probs.max(), probs, torch.zeros_like(probs))
         probs = probs.cpu()  # the seeded generator lives on the CPU: sample there, on every device alike
         return int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
 
@@ -139,6 +157,8 @@ class Engine:
         results = {i: GenerateResult() for i in mine}
         gens = {i: torch.Generator().manual_seed(requests[i].params.seed) if requests[i].params.seed is not None
                 else None for i in mine}
+        for i, scored in self._score_prompts(requests, mine).items():
+            results[i].input_logprobs = scored
         steps = max((r.params.max_new_tokens for r in requests), default=0)
         for _ in range(steps):
             active = [i for i in mine if results[i].finish_reason is None]
@@ -152,9 +172,17 @@ class Engine:
             logprobs = torch.log_softmax(logits, dim=-1)
             for row, i in enumerate(active):
                 p, res = requests[i].params, results[i]
-                tok = self._choose(logits[row], p, gens[i])
+                step_logits = logits[row]
+                if len(res.output_ids) < p.min_new_tokens:
+                    step_logits = step_logits.clone()
+                    step_logits[[self.cfg.eos_token_id, *p.stop_token_ids]] = float("-inf")
+                tok = self._choose(step_logits, p, gens[i])
                 res.output_ids.append(tok)
                 res.logprobs.append(float(logprobs[row, tok]))
+                if requests[i].logprobs.top_k or requests[i].logprobs.token_ids is not None:
+                    top, named = position_extras(logprobs[row], requests[i].logprobs)
+                    res.top_logprobs.append(top)
+                    res.token_ids_logprobs.append(named)
                 if not p.ignore_eos and (tok == self.cfg.eos_token_id or tok in p.stop_token_ids):
                     res.finish_reason = {"type": "stop", "matched": tok}
                 elif len(res.output_ids) >= p.max_new_tokens:
@@ -163,6 +191,20 @@ class Engine:
             if res.finish_reason is None:
                 res.finish_reason = {"type": "length", "length": len(res.output_ids)}
         return results
+
+    def _score_prompts(self, requests: list[GenerateRequest], mine: list[int]) -> dict[int, InputLogprobs]:
+        """Prompt logprobs of the requests that ask for them, from one extra forward over their prompts
+        (every data-parallel group joins it when any group needs it: its collectives span all ranks)."""
+        wanted = [i for i in mine if requests[i].logprobs.wants_input(len(requests[i].input_ids))]
+        if not self._any_active(bool(wanted)):
+            return {}
+        seqs = [torch.tensor(requests[i].input_ids, dtype=torch.long, device=self.device) for i in wanted]
+        logprobs = torch.log_softmax(self.model.logits(seqs), dim=-1)
+        out, start = {}, 0
+        for i, seq in zip(wanted, seqs):
+            out[i] = score_prompt(logprobs[start:start + seq.numel()], requests[i].input_ids, requests[i].logprobs)
+            start += seq.numel()
+        return out
 
     def _needs_lockstep(self) -> bool:
         """Ranks of other data-parallel groups may be mid-forward: join the collectives with no tokens."""

@@ -144,6 +144,8 @@ class RankRuntime:
                 out = e.update_weights_from_disk(arg)
             elif kind == "release":
                 out = e.release_memory_occupation(arg)
+            elif kind == "offload":  # release keeping a CPU copy of the weights (vLLM's sleep level 1)
+                out = e.release_memory_occupation(arg, offload_weights=True)
             elif kind == "resume":
                 out = e.resume_memory_occupation(arg)
             elif kind == "flush":

@@ -1,0 +1,337 @@
+"""Server dialects: the HTTP API the scenario suite speaks to an engine, one small class per API.
+
+:class:`ServerDialect` is the interface (like httpx's ``BaseTransport``): the operations the scenarios need,
+in engine-neutral terms. Each API is a plain subclass:
+
+* :class:`SGLangDialect`: SGLang's native endpoints (``/generate``, ``/update_weights_from_disk``,
+  ``/release_memory_occupation``, ``/resume_memory_occupation``, ``/flush_cache``).
+* :class:`OpenAIDialect`: the OpenAI-compatible API (``/v1/models``, ``/v1/completions`` with logprobs and
+  the ``return_token_ids`` extension vLLM and SGLang share). It has no weight or memory endpoints.
+* :class:`VLLMDialect`: vLLM 0.33.0's OpenAI API plus its development-mode endpoints
+  (``VLLM_SERVER_DEV_MODE=1``, ``--enable-sleep-mode``): ``/collective_rpc`` ``reload_weights``,
+  ``/sleep``, ``/wake_up``, ``/reset_prefix_cache``.
+
+An operation a dialect lacks raises :class:`DialectUnsupported` carrying the reason, so a scenario that
+needs it can skip with that reason (``unsupported`` lists them up front). A server that answers wrongly
+raises ``AssertionError`` naming the endpoint and the answer, as the rest of the scenario suite does.
+"""
+from __future__ import annotations
+
+import abc
+import threading
+import time
+from dataclasses import dataclass
+from typing import ClassVar, Sequence
+from urllib.parse import urlparse
+
+import requests
+
+from .client import LOCAL_HOSTS, Deadline, Generation
+
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's names; each dialect maps them
+
+
+class DialectUnsupported(Exception):
+    """The dialect has no endpoint for ``operation``; ``reason`` says why (skip the scenario with it)."""
+
+    def __init__(self, dialect: str, operation: str, reason: str):
+        super().__init__(f"the {dialect} API cannot {operation}: {reason}")
+        self.dialect, self.operation, self.reason = dialect, operation, reason
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """What a scenario asks of a generation. ``temperature`` 0 is greedy; ``seed`` makes sampling repeatable."""
+
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = True
+
+
+@dataclass(frozen=True)
+class ReloadResult:
+    success: bool
+    message: str
+
+
+class ServerDialect(abc.ABC):
+    """One engine API. Every HTTP call is bounded by ``max_request_s`` and the scenario's ``deadline``."""
+
+    name: ClassVar[str]
+    #: operation -> why this API cannot do it (operations: reload_weights, release_memory, resume_memory,
+    #: flush_cache); scenarios needing one of them skip with the reason
+    unsupported: ClassVar[dict[str, str]] = {}
+
+    def __init__(self, base_url: str, deadline: Deadline | None = None, max_request_s: float = 60.0):
+        if urlparse(base_url).hostname not in LOCAL_HOSTS:
+            raise ValueError(f"server scenarios only talk to a local server (127.0.0.1), got {base_url!r}")
+        self.base_url = base_url.rstrip("/")
+        self.deadline, self.max_request_s = deadline, max_request_s
+        self._http = requests.Session()
+        self._http.trust_env = False  # never through a proxy: the server is local
+
+    def with_deadline(self, deadline: Deadline) -> "ServerDialect":
+        return type(self)(self.base_url, deadline, self.max_request_s)
+
+    def close(self) -> None:
+        self._http.close()
+
+    # ------------------------------------------------------------------ operations
+    def healthy(self) -> bool:
+        """The server answers its health endpoint (no deadline: used while waiting for start-up)."""
+        try:
+            return self._http.get(self.base_url + self.health_path, timeout=2.0).status_code == 200
+        except requests.RequestException:
+            return False
+
+    health_path: ClassVar[str] = "/health"
+
+    @abc.abstractmethod
+    def model_path(self) -> str:
+        """The checkpoint the server serves (where the API reports it)."""
+
+    @abc.abstractmethod
+    def generate(self, prompts: Sequence[str], spec: SamplingSpec) -> list[Generation]:
+        """One HTTP request for all ``prompts`` (a batch); per prompt the text, token ids and per-token logprobs."""
+
+    def reload_weights(self, path: str, flush_cache: bool = True) -> ReloadResult:
+        """Load the checkpoint at ``path`` into the running server; a failure is ``success=False`` + why."""
+        raise self._unsupported("reload_weights")
+
+    def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Release GPU memory (``tags`` from :data:`MEMORY_TAGS`; all when None). Released weights lose
+        their contents: reload them after resuming."""
+        raise self._unsupported("release_memory")
+
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        raise self._unsupported("resume_memory")
+
+    def flush_cache(self) -> None:
+        raise self._unsupported("flush_cache")
+
+    # ------------------------------------------------------------------ HTTP
+    def _unsupported(self, operation: str) -> DialectUnsupported:
+        return DialectUnsupported(self.name, operation, self.unsupported.get(operation, "no endpoint for it"))
+
+    def _timeout(self) -> float:
+        left = self.deadline.remaining() if self.deadline else self.max_request_s
+        return max(0.1, min(left, self.max_request_s))
+
+    def _call(self, method: str, path: str, **kwargs) -> requests.Response:
+        try:
+            return self._http.request(method, self.base_url + path, timeout=self._timeout(), **kwargs)
+        except requests.Timeout as exc:
+            raise AssertionError(f"{method} {path} timed out (request lost or server hung)") from exc
+
+    def _json(self, r: requests.Response, what: str) -> object:
+        try:
+            return r.json()
+        except ValueError as exc:
+            raise AssertionError(f"{what} answered {r.status_code} without JSON: {r.text[:200]}") from exc
+
+    def _ok(self, r: requests.Response, what: str) -> requests.Response:
+        if r.status_code != 200:
+            raise AssertionError(f"{what} answered {r.status_code}: {r.text[:300]}")
+        return r
+
+
+class SGLangDialect(ServerDialect):
+    name = "sglang"
+
+    def model_path(self) -> str:
+        return str(self._json(self._ok(self._call("GET", "/get_model_info"), "/get_model_info"),
+                              "/get_model_info")["model_path"])
+
+    def generate(self, prompts: Sequence[str], spec: SamplingSpec) -> list[Generation]:
+        params = {"max_new_tokens": spec.max_new_tokens, "temperature": spec.temperature, "top_p": spec.top_p,
+                  "ignore_eos": spec.ignore_eos}
+        if spec.seed is not None:
+            params["sampling_seed"] = spec.seed
+        r = self._ok(self._call("POST", "/generate", json={"text": list(prompts), "sampling_params": params,
+                                                           "return_logprob": True}), "/generate")
+        data = self._json(r, "/generate")
+        return [Generation.from_json(d) for d in (data if isinstance(data, list) else [data])]
+
+    def reload_weights(self, path: str, flush_cache: bool = True) -> ReloadResult:
+        r = self._call("POST", "/update_weights_from_disk",
+                       json={"model_path": path, "flush_cache": flush_cache, "abort_all_requests": False})
+        data = self._json(r, "/update_weights_from_disk")
+        if not isinstance(data, dict) or "success" not in data:
+            raise AssertionError(f"/update_weights_from_disk answer has no 'success': {data}")
+        return ReloadResult(bool(data["success"]), str(data.get("message", "")))
+
+    def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        self._ok(self._call("POST", "/release_memory_occupation", json={"tags": list(tags)} if tags else {}),
+                 f"/release_memory_occupation {tags}")
+
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        self._ok(self._call("POST", "/resume_memory_occupation", json={"tags": list(tags)} if tags else {}),
+                 f"/resume_memory_occupation {tags}")
+
+    def flush_cache(self) -> None:
+        self._ok(self._call("POST", "/flush_cache"), "/flush_cache")
+
+
+class OpenAIDialect(ServerDialect):
+    """``/v1/completions`` with ``logprobs: 0`` (the chosen tokens' logprobs) and ``return_token_ids``."""
+
+    name = "openai"
+    health_path = "/v1/models"  # the OpenAI API has no health endpoint
+    unsupported = {op: "the OpenAI API has no weight or memory endpoints" for op in
+                   ("reload_weights", "release_memory", "resume_memory")} | {
+        "flush_cache": "the OpenAI API has no cache endpoint"}
+
+    def __init__(self, base_url: str, deadline: Deadline | None = None, max_request_s: float = 60.0):
+        super().__init__(base_url, deadline, max_request_s)
+        self._model: dict | None = None
+
+    def _model_card(self) -> dict:
+        if self._model is None:
+            data = self._json(self._ok(self._call("GET", "/v1/models"), "/v1/models"), "/v1/models")
+            cards = data.get("data") if isinstance(data, dict) else None
+            if not cards:
+                raise AssertionError(f"/v1/models lists no model: {data}")
+            self._model = cards[0]
+        return self._model
+
+    def model_path(self) -> str:
+        card = self._model_card()
+        return str(card.get("root") or card["id"])
+
+    def _completion_body(self, prompts: Sequence[str], spec: SamplingSpec) -> dict:
+        body = {"model": self._model_card()["id"], "prompt": list(prompts), "max_tokens": spec.max_new_tokens,
+                "temperature": spec.temperature, "top_p": spec.top_p, "logprobs": 0,
+                "ignore_eos": spec.ignore_eos, "return_token_ids": True}
+        if spec.seed is not None:
+            body["seed"] = spec.seed
+        return body
+
+    def generate(self, prompts: Sequence[str], spec: SamplingSpec) -> list[Generation]:
+        r = self._ok(self._call("POST", "/v1/completions", json=self._completion_body(prompts, spec)),
+                     "/v1/completions")
+        data = self._json(r, "/v1/completions")
+        choices = sorted(data.get("choices") or [], key=lambda c: c["index"])
+        if len(choices) != len(prompts):
+            raise AssertionError(f"/v1/completions: {len(choices)} choices for {len(prompts)} prompts")
+        return [self._generation(c) for c in choices]
+
+    def _generation(self, choice: dict) -> Generation:
+        ids = choice.get("token_ids")
+        if ids is None:
+            raise AssertionError("/v1/completions returned no token_ids: the openai dialect needs the "
+                                 "return_token_ids extension (vLLM >= 0.10.2, SGLang)")
+        lps = (choice.get("logprobs") or {}).get("token_logprobs")
+        if lps is None or len(lps) != len(ids):
+            raise AssertionError(f"/v1/completions: {0 if lps is None else len(lps)} token_logprobs for "
+                                 f"{len(ids)} token_ids")
+        return Generation(choice["text"], tuple(ids), tuple(float(x) for x in lps), choice.get("finish_reason"))
+
+
+class VLLMDialect(OpenAIDialect):
+    """vLLM's OpenAI API plus its dev-mode weight and memory endpoints.
+
+    A reload is vLLM's documented weight-update sequence: ``/pause?mode=wait`` (in-flight requests finish;
+    new ones get 503 "retry"), ``/collective_rpc`` ``reload_weights``, ``/reset_prefix_cache`` (with
+    ``flush_cache``), ``/resume``. Generate requests this dialect sends while its own reload holds the
+    pause are retried, as vLLM asks of clients, so none is lost. Releasing memory is ``/sleep?level=2``
+    (weights discarded, like SGLang's release without CPU backup: reload them after waking); vLLM sleeps as
+    a whole, so only releasing everything is possible."""
+
+    name = "vllm"
+    health_path = "/health"
+    unsupported = {}
+    WAKE_TAGS = {"weights": "weights", "kv_cache": "kv_cache"}  # cuda_graph: vLLM keeps or restores graphs itself
+    RETRY_S = 0.05
+
+    def __init__(self, base_url: str, deadline: Deadline | None = None, max_request_s: float = 60.0):
+        super().__init__(base_url, deadline, max_request_s)
+        self._reloading = threading.Event()
+        self._reloads_done = 0  # a 503 answered while our reload held the pause may arrive after it ended
+
+    def _call(self, method: str, path: str, **kwargs) -> requests.Response:
+        done = self._reloads_done
+        r = super()._call(method, path, **kwargs)
+        while r.status_code == 503 and path == "/v1/completions" and (
+                self._reloading.is_set() or self._reloads_done != done):
+            time.sleep(self.RETRY_S)  # refused by our own reload's pause: retry, bounded by the deadline
+            done = self._reloads_done
+            r = super()._call(method, path, **kwargs)
+        return r
+
+    def _completion_body(self, prompts: Sequence[str], spec: SamplingSpec) -> dict:
+        return super()._completion_body(prompts, spec) | {"return_tokens_as_token_ids": True}
+
+    def _generation(self, choice: dict) -> Generation:
+        g = super()._generation(choice)
+        tokens = choice["logprobs"].get("tokens")
+        expected = [f"token_id:{t}" for t in g.ids]
+        if tokens != expected:  # the two token-id channels of the answer must agree
+            raise AssertionError(f"/v1/completions: logprobs tokens {tokens} != token_ids {list(g.ids)}")
+        return g
+
+    def _rpc_reload(self, path: str, flush_cache: bool) -> requests.Response:
+        r = self._call("POST", "/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": path}})
+        if r.status_code == 200 and flush_cache:
+            self.flush_cache()
+        return r
+
+    def reload_weights(self, path: str, flush_cache: bool = True) -> ReloadResult:
+        sleeping = self._json(self._ok(self._call("GET", "/is_sleeping"), "/is_sleeping"), "/is_sleeping")
+        if sleeping.get("is_sleeping"):  # the sleep/wake sequence: nothing is generating, no pause to resume
+            r = self._rpc_reload(path, flush_cache)
+        else:
+            self._reloading.set()
+            try:
+                self._ok(self._call("POST", "/pause", params={"mode": "wait"}), "/pause?mode=wait")
+                try:
+                    r = self._rpc_reload(path, flush_cache)
+                finally:
+                    self._ok(self._call("POST", "/resume"), "/resume")
+            finally:
+                self._reloads_done += 1
+                self._reloading.clear()
+        if r.status_code != 200:
+            data = self._json(r, "/collective_rpc reload_weights")
+            error = data.get("error") if isinstance(data, dict) else None
+            message = error.get("message") if isinstance(error, dict) else (error or r.text)
+            return ReloadResult(False, f"reload_weights answered {r.status_code}: {message}")
+        return ReloadResult(True, f"reload_weights from {path!r}: {r.text[:200]}")
+
+    def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        if tags is not None and set(tags) != set(MEMORY_TAGS):
+            raise DialectUnsupported(self.name, f"release only {list(tags)}",
+                                     "vLLM's /sleep releases weights and KV cache together")
+        self._ok(self._call("POST", "/sleep", params={"level": 2}), "/sleep?level=2")
+
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        if tags is None:
+            self._ok(self._call("POST", "/wake_up"), "/wake_up")
+            return
+        unknown = [t for t in tags if t not in MEMORY_TAGS]
+        if unknown:
+            raise ValueError(f"unknown memory tags {unknown}; known: {list(MEMORY_TAGS)}")
+        wake = [self.WAKE_TAGS[t] for t in tags if t in self.WAKE_TAGS]
+        if wake:
+            self._ok(self._call("POST", "/wake_up", params=[("tags", t) for t in wake]), f"/wake_up?tags={wake}")
+
+    def flush_cache(self) -> None:
+        for _ in range(5):  # vLLM: success=false while blocks are held; callers may retry
+            data = self._json(self._ok(self._call("POST", "/reset_prefix_cache"), "/reset_prefix_cache"),
+                              "/reset_prefix_cache")
+            if isinstance(data, dict) and data.get("success"):
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"/reset_prefix_cache kept answering {data}")
+
+
+DIALECTS: dict[str, type[ServerDialect]] = {d.name: d for d in (SGLangDialect, OpenAIDialect, VLLMDialect)}
+
+
+def make_dialect(name: str, base_url: str, deadline: Deadline | None = None, max_request_s: float = 60.0) -> ServerDialect:
+    try:
+        cls = DIALECTS[name]
+    except KeyError:
+        raise ValueError(f"unknown server API {name!r}; known: {sorted(DIALECTS)}") from None
+    return cls(base_url, deadline, max_request_s)
