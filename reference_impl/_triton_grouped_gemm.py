@@ -21,9 +21,9 @@ import triton.language as tl
 @triton.jit
 def _grouped_gemm_kernel(
     a_ptr, a_rows_ptr, w_ptr, out_ptr, out_rows_ptr,
-    block_expert_ptr, block_start_ptr, block_end_ptr,
+    block_expert_ptr, block_ends_ptr, counts_ptr, seg_start_ptr,
     scale_a_ptr, scale_b_ptr, row_scale_ptr,
-    num_blocks, N, K, split,
+    num_blocks, num_experts, N, K, split,
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
     HAS_A_ROWS: tl.constexpr, HAS_OUT_ROWS: tl.constexpr, HAS_ROW_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -37,10 +37,13 @@ def _grouped_gemm_kernel(
     pid_n = (pid % group) // size_m
 
     expert = tl.load(block_expert_ptr + pid_m)
-    if expert < 0:
+    if expert >= num_experts:  # past the last expert's blocks
         return
-    start = tl.load(block_start_ptr + pid_m)
-    end = tl.load(block_end_ptr + pid_m)
+    count = tl.load(counts_ptr + expert)
+    first_row = tl.load(seg_start_ptr + expert)
+    first_block = tl.load(block_ends_ptr + expert) - tl.cdiv(count, BLOCK_M)
+    start = first_row + (pid_m - first_block) * BLOCK_M
+    end = first_row + count
     offs_m = start + tl.arange(0, BLOCK_M)
     mask_m = offs_m < end
     if HAS_A_ROWS:
@@ -76,7 +79,7 @@ def _grouped_gemm_kernel(
 
 #: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by the average rows per expert (up to the key).
 CONFIGS = ((16, (16, 128, 128, 4, 4)), (48, (32, 128, 128, 4, 4)), (96, (64, 128, 64, 4, 4)),
-           (None, (128, 128, 64, 8, 3)))
+           (None, (128, 256, 64, 8, 3)))
 GROUP_M = 8
 
 
@@ -110,23 +113,15 @@ def grouped_gemm(
     num_experts, n, k = w.shape
     bm, bn, bk, warps, stages = config or pick_config(rows, min(num_experts, rows))
     max_blocks = triton.cdiv(rows, bm) + min(num_experts, rows)
-    blocks = (counts + bm - 1) // bm
-    ends = torch.cumsum(blocks, 0)
-    b = torch.arange(max_blocks, device=a.device)
-    expert = torch.searchsorted(ends, b, right=True)
-    valid = expert < num_experts
-    e = expert.clamp(max=num_experts - 1)
-    start = seg_start[e] + (b - (ends[e] - blocks[e])) * bm
-    block_expert = torch.where(valid, e, -1).to(torch.int32)
-    block_start = start.to(torch.int32)
-    block_end = (seg_start[e] + counts[e]).to(torch.int32)
-    dummy = block_start  # never read when the matching HAS_* flag is off
+    ends = torch.cumsum((counts + bm - 1) // bm, 0)
+    block_expert = torch.searchsorted(ends, torch.arange(max_blocks, device=a.device), right=True)
+    dummy = counts  # never read when the matching HAS_* flag is off
     grid = (max_blocks * triton.cdiv(n, bn),)
     _grouped_gemm_kernel[grid](
         a, a_rows if a_rows is not None else dummy, w, out, out_rows if out_rows is not None else dummy,
-        block_expert, block_start, block_end,
+        block_expert, ends, counts, seg_start,
         scale_a, scale_b, row_scale if row_scale is not None else scale_a,
-        max_blocks, n, k, split,
+        max_blocks, num_experts, n, k, split,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
         HAS_A_ROWS=a_rows is not None, HAS_OUT_ROWS=out_rows is not None, HAS_ROW_SCALE=row_scale is not None,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=GROUP_M, num_warps=warps, num_stages=stages,

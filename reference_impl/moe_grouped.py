@@ -23,6 +23,7 @@ H]``) are each at most one such chunk.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -33,6 +34,8 @@ from .moe import NVFP4Experts, apply_activation, is_gated, local_expert_offset
 from .nvfp4 import codes_times_block_scales
 
 MOE_CHUNK_BYTES = 1 << 30
+#: Weights (w13 + w2) up to which the CPU fallback keeps an fp32 upcast next to the bf16 copy (64 MiB).
+FP32_KEEP_ELEMENTS = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,13 @@ class PreparedExperts:
     expert_offset: int
     activation: str
     activation_params: dict = field(default_factory=dict)
+    #: The fallback's fp32 upcasts (``w13``, ``w2``), kept when small (see :func:`prepare_experts`).
+    fp32_weights: tuple[torch.Tensor, torch.Tensor] | None = None
+    #: Not every local expert at its own index (a one-shot call's subset, or another order): runs map ids
+    #: through ``slot_of_local`` and check that no pair needs an expert that was not prepared.
+    partial: bool = False
+    #: CUDA graphs of small calls, by input signature (see :func:`_run_graphed`).
+    graphs: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def gated(self) -> bool:
@@ -92,9 +102,13 @@ def prepare_experts(experts: NVFP4Experts, local_experts: Sequence[int] | None =
     gated = is_gated(experts.activation)
     slot_of_local = torch.full((num_local,), -1, dtype=torch.long, device=device)
     slot_of_local[index] = torch.arange(len(ids), device=device)
+    w13 = codes_times_block_scales(pick(experts.w13), pick(experts.w13_scale))
+    w2 = codes_times_block_scales(pick(experts.w2), pick(experts.w2_scale))
+    # Without a bf16 -> fp32 GEMM the fallback upcasts weights; keep the upcast when it is one chunk or less.
+    small = w13.numel() + w2.numel() <= FP32_KEEP_ELEMENTS and not _fp32_out_gemm(device) and not _triton_ok(device)
     return PreparedExperts(
-        w13=codes_times_block_scales(pick(experts.w13), pick(experts.w13_scale)),
-        w2=codes_times_block_scales(pick(experts.w2), pick(experts.w2_scale)),
+        w13=w13,
+        w2=w2,
         scale_gate=s13[:, 0].contiguous(),
         scale_up=(s13[:, -1] if gated else s13[:, 0]).contiguous(),
         scale_down=pick(experts.w2_scale_2.to(device)).float().reshape(-1).contiguous(),
@@ -102,6 +116,8 @@ def prepare_experts(experts: NVFP4Experts, local_experts: Sequence[int] | None =
         expert_offset=local_expert_offset(experts),
         activation=experts.activation,
         activation_params=dict(experts.activation_params),
+        fp32_weights=(w13.float(), w2.float()) if small else None,
+        partial=ids != list(range(num_local)),
     )
 
 
@@ -121,53 +137,115 @@ def run_prepared_experts(
     if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
         raise ValueError(f"topk_ids/topk_weights must both be [T={x.shape[0]}, top_k], got "
                          f"{tuple(topk_ids.shape)} / {tuple(topk_weights.shape)}")
+    if _graphable(prepared, x, topk_ids):
+        return _run_graphed(prepared, x, topk_ids, topk_weights, out_dtype, round_intermediate)
+    return _run_eager(prepared, x, topk_ids, topk_weights, out_dtype, round_intermediate)
+
+
+def _run_eager(prepared: PreparedExperts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+               out_dtype: torch.dtype, round_intermediate: bool) -> torch.Tensor:
     tokens, top_k = topk_ids.shape
+    num_local = prepared.slot_of_local.numel()
     local = topk_ids.to(x.device).long() - prepared.expert_offset
-    owned = (local >= 0) & (local < prepared.slot_of_local.numel())
-    slot = torch.where(owned, prepared.slot_of_local[local.clamp(0, prepared.slot_of_local.numel() - 1)], -1)
+    owned = (local >= 0) & (local < num_local)
+    if prepared.partial:  # a one-shot subset: map to prepared indices, and check (a host sync)
+        slot = torch.where(owned, prepared.slot_of_local[local.clamp(0, num_local - 1)], -1)
+        if bool((owned & (slot < 0)).any()):
+            raise ValueError("some (token, slot) pairs are routed to local experts that were not prepared")
+        key = torch.where(slot >= 0, slot, prepared.w13.shape[0])
+    else:
+        key = torch.where(owned, local, num_local)
     weights = topk_weights.to(device=x.device, dtype=torch.float32)
     out = torch.empty(tokens, prepared.hidden_size, dtype=out_dtype, device=x.device)
     width = max(prepared.w13.shape[1], prepared.hidden_size)
     step = max(1, MOE_CHUNK_BYTES // (top_k * width * 4))
     for t0 in range(0, tokens, step):
         t1 = min(t0 + step, tokens)
-        missing = owned[t0:t1] & (slot[t0:t1] < 0)
-        out[t0:t1] = _run_chunk(prepared, x[t0:t1], slot[t0:t1], weights[t0:t1], round_intermediate, missing)
+        out[t0:t1] = _run_chunk(prepared, x[t0:t1], key[t0:t1], weights[t0:t1], round_intermediate)
     return out
 
 
-def _run_chunk(prepared: PreparedExperts, x: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor,
-               round_intermediate: bool, missing: torch.Tensor) -> torch.Tensor:
-    """fp32 ``[T_c, H]`` for one chunk of tokens (``slot [T_c, k]``: prepared expert per pair, -1 = none)."""
-    tokens, top_k = slot.shape
-    num_experts, hidden = prepared.w13.shape[0], prepared.hidden_size
-    key = slot.reshape(-1)
-    key = torch.where(key >= 0, key, num_experts)
-    order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
-    pairs, bad = (int(v) for v in torch.stack((counts.sum(), missing.sum())).tolist())  # the one host sync
-    if bad:
-        raise ValueError(f"{bad} (token, slot) pairs are routed to local experts that were not prepared")
-    combined = torch.zeros(tokens * top_k, hidden, dtype=torch.float32, device=x.device)
-    if pairs:
-        sorted_pairs = order[:pairs]
-        seg_start = torch.cumsum(counts, 0) - counts
-        inter = prepared.intermediate_size
-        g = _grouped_fp32(x, prepared.w13, counts, seg_start, pairs, prepared.scale_gate, prepared.scale_up,
-                          inter if prepared.gated else prepared.w13.shape[1], a_rows=sorted_pairs // top_k)
-        h = apply_activation(prepared.activation, g[:, :inter], g[:, inter:] if prepared.gated else None,
-                             prepared.activation_params)
-        del g
-        if round_intermediate:
-            h = h.to(torch.bfloat16)
-        _grouped_fp32(h, prepared.w2, counts, seg_start, pairs, prepared.scale_down, prepared.scale_down, hidden,
-                      out=combined, out_rows=sorted_pairs, row_scale=weights.reshape(-1)[sorted_pairs].contiguous())
+def _run_chunk(prepared: PreparedExperts, x: torch.Tensor, key: torch.Tensor, weights: torch.Tensor,
+               round_intermediate: bool) -> torch.Tensor:
+    """fp32 ``[T_c, H]`` for one chunk of tokens (``key [T_c, k]``: prepared expert per pair, ``E'`` = none).
+
+    No host synchronization on the Triton path: buffers are sized for all ``T_c * k`` pairs (pairs not
+    routed here sort last and fall in no expert's segment, so no GEMM reads or writes their rows; their
+    combine rows stay zero)."""
+    tokens, top_k = key.shape
+    pairs = tokens * top_k
+    num_experts, hidden, inter = prepared.w13.shape[0], prepared.hidden_size, prepared.intermediate_size
+    sorted_key, sorted_pairs = torch.sort(key.reshape(-1), stable=True)
+    bounds = torch.searchsorted(sorted_key, _arange(num_experts + 1, x.device))  # segment starts, then the unowned
+    seg_start = bounds[:-1]
+    counts = bounds[1:] - seg_start
+    combined = torch.zeros(pairs, hidden, dtype=torch.float32, device=x.device)
+    if not pairs or not num_experts:
+        return combined.view(tokens, top_k, hidden).sum(dim=1)
+    w13_f, w2_f = prepared.fp32_weights or (None, None)
+    g = _grouped_fp32(x, prepared.w13, counts, seg_start, pairs, prepared.scale_gate, prepared.scale_up,
+                      inter if prepared.gated else prepared.w13.shape[1], a_rows=sorted_pairs // top_k, w_fp32=w13_f)
+    h = apply_activation(prepared.activation, g[:, :inter], g[:, inter:] if prepared.gated else None,
+                         prepared.activation_params)
+    del g
+    if round_intermediate:
+        h = h.to(torch.bfloat16)
+    _grouped_fp32(h, prepared.w2, counts, seg_start, pairs, prepared.scale_down, prepared.scale_down, hidden,
+                  out=combined, out_rows=sorted_pairs, row_scale=weights.reshape(-1)[sorted_pairs], w_fp32=w2_f)
     return combined.view(tokens, top_k, hidden).sum(dim=1)
 
 
-def _use_triton(a: torch.Tensor) -> bool:
-    if a.device.type != "cuda" or a.dtype != torch.bfloat16:
-        return False
+@functools.lru_cache(maxsize=64)
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(n, device=device)
+
+
+# ----------------------------------------------------------------------------------------- CUDA graphs
+#: Calls with at most this many (token, slot) pairs replay a CUDA graph of the whole MoE on CUDA: there the
+#: GPU work is tens of microseconds and launching ~30 small kernels from Python would dominate.
+GRAPH_MAX_PAIRS = 1024
+GRAPHS_PER_LAYER = 8
+
+
+def _graphable(prepared: PreparedExperts, x: torch.Tensor, topk_ids: torch.Tensor) -> bool:
+    return (x.device.type == "cuda" and not prepared.partial and _triton_ok(x.device)
+            and 0 < topk_ids.numel() <= GRAPH_MAX_PAIRS and not torch.cuda.is_current_stream_capturing())
+
+
+def _run_graphed(prepared: PreparedExperts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 out_dtype: torch.dtype, round_intermediate: bool) -> torch.Tensor:
+    """The same kernels as :func:`_run_eager`, captured once per input signature and replayed: the first
+    call runs eagerly (which also compiles the kernels) and captures; later calls copy the inputs into the
+    captured buffers and replay. The result is a fresh tensor (a copy of the graph's output buffer)."""
+    key = (tuple(x.shape), topk_ids.dtype, tuple(topk_ids.shape), topk_weights.dtype, out_dtype,
+           round_intermediate, x.device)
+    graphs = prepared.graphs
+    entry = graphs.get(key)
+    if entry is None:
+        out = _run_eager(prepared, x, topk_ids, topk_weights, out_dtype, round_intermediate)
+        static = (x.clone(), topk_ids.to(x.device).clone(), topk_weights.to(x.device).clone())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = _run_eager(prepared, *static, out_dtype, round_intermediate)
+        if len(graphs) >= GRAPHS_PER_LAYER:
+            graphs.pop(next(iter(graphs)))
+        graphs[key] = (graph, static, static_out)
+        return out
+    graph, (sx, sids, sw), static_out = entry
+    sx.copy_(x)
+    sids.copy_(topk_ids)
+    sw.copy_(topk_weights)
+    graph.replay()
+    return static_out.clone()
+
+
+# ----------------------------------------------------------------------------------------- grouped GEMM
+def _triton_ok(device: torch.device) -> bool:
+    return device.type == "cuda" and _triton_importable()
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_importable() -> bool:
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -175,15 +253,19 @@ def _use_triton(a: torch.Tensor) -> bool:
     return True
 
 
+def _fp32_out_gemm(device: torch.device) -> bool:
+    return has_fp32_out_bf16_gemm(device)
+
+
 def _grouped_fp32(a, w, counts, seg_start, rows, scale_a, scale_b, split, *, a_rows=None, out=None,
-                  out_rows=None, row_scale=None) -> torch.Tensor:
+                  out_rows=None, row_scale=None, w_fp32=None) -> torch.Tensor:
     """Row ``j`` of expert ``e``'s segment: ``(a[a_rows[j]] @ w[e]^T) * col_scale * row_scale[j]`` in fp32,
     stored to ``out[out_rows[j]]`` (``out`` defaults to a new ``[rows, N]``). ``col_scale`` is
     ``scale_a[e]`` for columns ``< split``, ``scale_b[e]`` after."""
     n = w.shape[1]
     if out is None:
         out = torch.empty(rows, n, dtype=torch.float32, device=a.device)
-    if _use_triton(a):
+    if a.dtype == torch.bfloat16 and _triton_ok(a.device):
         from ._triton_grouped_gemm import grouped_gemm
 
         return grouped_gemm(a, w, counts, seg_start, rows, scale_a, scale_b, split, out, a_rows=a_rows,
@@ -195,7 +277,10 @@ def _grouped_fp32(a, w, counts, seg_start, rows, scale_a, scale_b, split, *, a_r
             continue
         rows_e = slice(start, start + count)
         ae = a[a_rows[rows_e]] if a_rows is not None else a[rows_e]
-        acc = torch.mm(ae, w[e].T, out_dtype=torch.float32) if fp32_out else ae.float() @ w[e].float().T
+        if fp32_out:
+            acc = torch.mm(ae, w[e].T, out_dtype=torch.float32)
+        else:
+            acc = ae.float() @ (w_fp32[e] if w_fp32 is not None else w[e].float()).T
         acc = acc * torch.where(columns, scale_a[e], scale_b[e])
         if row_scale is not None:
             acc = acc * row_scale[rows_e].unsqueeze(-1)
