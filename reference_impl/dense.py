@@ -9,26 +9,34 @@ How the reference evaluates it (the "BF16-dequant reference", :func:`prepare_w4a
 
 * ``W = e2m1 * e4m3`` is decoded once into **bf16**, exactly (at most 6 significant bits in [2^-10, 2688]:
   :func:`reference_impl.nvfp4.codes_times_block_scales`).
-* The GEMM runs on bf16 operands with fp32 accumulation and an **fp32 output**: every product
-  ``x_k * w_k`` (8 x 6 significant bits) is exact in fp32, so this is the same fp32 sum of exact products an
-  fp32 GEMM on the decoded weight computes, at tensor-core speed. On CUDA with ``torch.addmm(...,
-  out_dtype=torch.float32)`` (torch >= 2.8's ``addmm.dtype``) the epilogue ``alpha * acc + bias`` is fused
-  into the GEMM (cuBLAS computes it in fp32: one rounding fewer than a separate multiply and add, never
-  more). Where that overload is missing (CPU torch, older CUDA torch) the fallback is an fp32 ``addmm`` on the
-  exactly upcast weight, one row chunk at a time: the same arithmetic, fp32 FMA speed.
+* The GEMM runs on bf16 operands with fp32 accumulation: every product ``x_k * w_k`` (8 x 6 significant
+  bits) is exact in fp32, so this is the same fp32 sum of exact products an fp32 GEMM on the decoded weight
+  computes, at tensor-core speed. On CUDA (torch >= 2.8) it is one cuBLAS call with the epilogue fused:
+  ``torch.addmm(bias, x, W^T, alpha=alpha)`` with a bf16 output (:func:`_addmm_bf16_out`: ``alpha * acc +
+  bias`` in fp32, one conversion to bf16) when the output is bf16 and the bias bf16 or absent, otherwise
+  ``torch.addmm(..., out_dtype=torch.float32)`` and one cast. Where the fp32-output overload is missing
+  (CPU torch, older CUDA torch) the fallback is an fp32 ``addmm`` on the exactly upcast weight: the same
+  arithmetic at fp32 FMA speed (small layers keep the upcast; large ones upcast one row chunk at a time).
+  Folding alpha and bias into the GEMM epilogue rounds at most as often as a separate multiply and add,
+  which the bound counts (``conformance/bounds.py``, term 2: ``K + 2`` roundings).
 * AWQ: ``x' = x * pre_quant_scale`` is formed exactly in fp32 (bf16 x bf16 = 16 significant bits), as
   SPEC section 2 defines it. A bf16 GEMM cannot take 16-bit operands, so ``x'`` is split exactly into
   ``hi + lo`` (``hi = bf16(x')``, ``lo = x' - hi``: a 16-bit value minus its 8-bit rounding has at most 8
   significant bits, so ``lo`` is a bf16 too) and both halves go through the GEMM into the same fp32
   output (a second ``addmm`` with ``beta = 1``). That is a fp32 sum of ``2K`` exact products: its error is
-  at most ``gamma_{2K+2} (1 + 2^-7) A``, inside the dense bound's ``gamma_{K+2} A + 2^-8 A`` (AWQ term)
-  for every K up to 2^15 (``conformance/bounds.py``).
+  at most ``gamma_{2K+2} (1 + 2^-7) A``, inside the dense bound's ``gamma_{K+2} A + 2 * 2^-8 A`` (its
+  accumulation, AWQ and weight-rounding terms; this path rounds neither x' nor W) for every K up to 2^15
+  (``conformance/bounds.py``).
 * One rounding to the output dtype at the end.
 
-Memory: the prepared layer holds one bf16 copy of ``W`` (``2 N K`` bytes) next to the checkpoint bytes;
-a call allocates its fp32 output (and, AWQ only, the two bf16 halves of ``x'``; CPU fallback: one fp32
-weight chunk of ``_CHUNK_ELEMENTS``). The fp64 evaluation (:func:`w4a16_linear_exact`, ``accum_dtype=
-torch.float64``) decodes ``_CHUNK_ELEMENTS`` weights at a time.
+Measured on an H200 (``benchmarks/bench_dense.py``): 0.93x-1.09x of a BF16 ``torch.matmul`` of the same
+shape at every LLM shape of the cuda tier and M in {1, 16, 256, 4096}.
+
+Memory: the prepared layer holds one bf16 copy of ``W`` (``2 N K`` bytes) next to the checkpoint bytes
+(decoding it needs one more chunk of temporaries, ``nvfp4.DECODE_CHUNK_ELEMENTS``); a call allocates its
+output (fp32 on the unfused paths; AWQ: also the two bf16 halves of ``x'``; CPU fallback: an fp32 weight
+chunk of ``_CHUNK_ELEMENTS``, or the kept fp32 upcast of a layer no larger than that). The fp64 evaluation
+(:func:`w4a16_linear_exact`, ``accum_dtype=torch.float64``) decodes ``_CHUNK_ELEMENTS`` weights at a time.
 """
 from __future__ import annotations
 
