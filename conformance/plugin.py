@@ -10,4 +10,5 @@ pytest_plugins = [
     "conformance._plugins.report",
     "conformance._plugins.harness",
     "conformance._plugins.server",
+    "conformance._plugins.perf",
 ]

@@ -36,6 +36,7 @@ AREAS: tuple[tuple[str, str], ...] = (
     ("server", "server"),
     ("engine", "engine integration"),
     ("emulator", "engine integration"),
+    ("perf", "perf"),
 )
 OTHER_AREA = "other"
 EXPECTATIONS_AREA = "expectations"
@@ -308,6 +309,7 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
             if t["repro"]:
                 lines += ["", "```bash", t["repro"], "```"]
             lines.append("")
+    lines += _perf_section(tests)
     xfailed = [t for t in tests if t["outcome"] == "xfailed"]
     if xfailed:
         lines += ["", "## Expected failures", "", "| Case | Reason |", "| --- | --- |"]
@@ -320,3 +322,23 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
         lines += ["", "## Skipped, by reason", "", "| Reason | Tests |", "| --- | ---: |"]
         lines += [f"| {_cell(reason)} | {n} |" for reason, n in sorted(skipped.items(), key=lambda kv: -kv[1])]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _perf_section(tests: Iterable[Mapping[str, Any]]) -> list[str]:
+    """The perf tier's table (tests that recorded a ``perf`` property; see :mod:`conformance.perf`)."""
+    from .perf import TABLE_HEADER, table_cells
+
+    rows = [t["properties"]["perf"] for t in tests if isinstance(t.get("properties", {}).get("perf"), Mapping)]
+    if not rows:
+        return []
+    rows.sort(key=lambda r: (r["kind"], r["shape"], r["tokens"], r["backend"]))
+    lines = ["", "## Performance", "",
+             "Backend time per shape next to a BF16 baseline of the same shape and the W4A16 floor "
+             "(bytes it must move / measured copy bandwidth, FLOPs / measured BF16 matmul rate), all measured in "
+             "this run; flags are findings, not failures (docs/perf.md).", ""]
+    lines += [f"- yardsticks: {y}" for y in sorted({str(r.get("yardsticks", "")) for r in rows} - {""})]
+    lines += [f"- baseline: {b}" for b in sorted({str(r.get("baseline", "")) for r in rows} - {""})]
+    lines += ["", "| " + " | ".join(TABLE_HEADER) + " |", "|" + " --- |" * 3 + " ---: |" * 7 + " --- |"]
+    lines += ["| " + " | ".join(_cell(c) for c in table_cells(r)) + " |" for r in rows]
+    return lines
+

@@ -3,15 +3,51 @@
 ``y = ((x * pre_quant_scale) @ dequant(W)^T) * alpha + bias`` where ``alpha`` is the weight decode scale
 only (``max(weight_scale_2)`` over fused shards, as engines fold one alpha per layer). Under W4A4 alpha
 would also hold ``input_scale``: that belongs to the other mode and is never applied here.
+
+How the reference evaluates it (the "BF16-dequant reference", :func:`prepare_w4a16_linear` once per layer,
+:func:`run_w4a16_linear` per call):
+
+* ``W = e2m1 * e4m3`` is decoded once into **bf16**, exactly (at most 6 significant bits in [2^-10, 2688]:
+  :func:`reference_impl.nvfp4.codes_times_block_scales`).
+* The GEMM runs on bf16 operands with fp32 accumulation: every product ``x_k * w_k`` (8 x 6 significant
+  bits) is exact in fp32, so this is the same fp32 sum of exact products an fp32 GEMM on the decoded weight
+  computes, at tensor-core speed. On CUDA (torch >= 2.8) it is one cuBLAS call with the epilogue fused:
+  ``torch.addmm(bias, x, W^T, alpha=alpha)`` with a bf16 output (:func:`_addmm_bf16_out`: ``alpha * acc +
+  bias`` in fp32, one conversion to bf16) when the output is bf16 and the bias bf16 or absent, otherwise
+  ``torch.addmm(..., out_dtype=torch.float32)`` and one cast. Where the fp32-output overload is missing
+  (CPU torch, older CUDA torch) the fallback is an fp32 ``addmm`` on the exactly upcast weight: the same
+  arithmetic at fp32 FMA speed (small layers keep the upcast; large ones upcast one row chunk at a time).
+  Folding alpha and bias into the GEMM epilogue rounds at most as often as a separate multiply and add,
+  which the bound counts (``conformance/bounds.py``, term 2: ``K + 2`` roundings).
+* AWQ: ``x' = x * pre_quant_scale`` is formed exactly in fp32 (bf16 x bf16 = 16 significant bits), as
+  SPEC section 2 defines it. A bf16 GEMM cannot take 16-bit operands, so ``x'`` is split exactly into
+  ``hi + lo`` (``hi = bf16(x')``, ``lo = x' - hi``: a 16-bit value minus its 8-bit rounding has at most 8
+  significant bits, so ``lo`` is a bf16 too) and both halves go through the GEMM into the same fp32
+  output (a second ``addmm`` with ``beta = 1``). That is a fp32 sum of ``2K`` exact products: its error is
+  at most ``gamma_{2K+2} (1 + 2^-7) A``, inside the dense bound's ``gamma_{K+2} A + 2 * 2^-8 A`` (its
+  accumulation, AWQ and weight-rounding terms; this path rounds neither x' nor W) for every K up to 2^15
+  (``conformance/bounds.py``).
+* One rounding to the output dtype at the end.
+
+Measured on an H200 (``benchmarks/bench_dense.py``): 0.93x-1.09x of a BF16 ``torch.matmul`` of the same
+shape at every LLM shape of the cuda tier and M in {1, 16, 256, 4096}.
+
+Memory: the prepared layer holds one bf16 copy of ``W`` (``2 N K`` bytes) next to the checkpoint bytes
+(decoding it needs one more chunk of temporaries, ``nvfp4.DECODE_CHUNK_ELEMENTS``); a call allocates its
+output (fp32 on the unfused paths; AWQ: also the two bf16 halves of ``x'``; CPU fallback: an fp32 weight
+chunk of ``_CHUNK_ELEMENTS``, or the kept fp32 upcast of a layer no larger than that). The fp64 evaluation
+(:func:`w4a16_linear_exact`, ``accum_dtype=torch.float64``) decodes ``_CHUNK_ELEMENTS`` weights at a time.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from .nvfp4 import BLOCK_SIZE, e2m1_decode, e4m3_decode, unpack_nibbles
+from .nvfp4 import BLOCK_SIZE, codes_times_block_scales
 
-# Weight elements dequantized at once (64 MiB in fp32): the extra memory is one chunk of W (plus its decode
-# temporaries), never a whole dequantized layer, whatever the layer's size.
+# Weight elements upcast at once (128 MiB in fp64) by the fp64 path and the CPU fallback: their extra
+# memory is one chunk of W, never a whole upcast layer.
 _CHUNK_ELEMENTS = 1 << 24
 
 
@@ -24,6 +60,31 @@ def dense_alpha(weight_scale_2: torch.Tensor) -> torch.Tensor:
     return weight_scale_2.detach().float().reshape(-1).max()
 
 
+def check_dense_layer(
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    pre_quant_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> None:
+    """Raise ``TypeError``/``ValueError`` with a readable message for layer tensors that do not fit."""
+    if weight.dtype != torch.uint8 or weight.dim() != 2:
+        raise TypeError(f"packed weight must be a 2-D uint8 tensor, got {weight.dtype} {tuple(weight.shape)}")
+    n, k = weight.shape[0], weight.shape[1] * 2
+    if weight_scale.shape != (n, k // BLOCK_SIZE):
+        raise ValueError(f"block scale shape {tuple(weight_scale.shape)} != ({n}, {k // BLOCK_SIZE}) (linear layout)")
+    if pre_quant_scale is not None and pre_quant_scale.shape != (k,):
+        raise ValueError(f"pre_quant_scale shape {tuple(pre_quant_scale.shape)} != ({k},)")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias shape {tuple(bias.shape)} != ({n},)")
+
+
+def _check_activations(x: torch.Tensor, k: int) -> None:
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"W4A16 activations must be bfloat16, got {x.dtype}")
+    if x.shape[-1] != k:
+        raise ValueError(f"activation K = {x.shape[-1]} does not match weight K = {k}")
+
+
 def check_dense_inputs(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -34,23 +95,142 @@ def check_dense_inputs(
     """Raise ``TypeError``/``ValueError`` with a readable message for inputs that do not fit."""
     if x.dtype != torch.bfloat16:
         raise TypeError(f"W4A16 activations must be bfloat16, got {x.dtype}")
-    if weight.dtype != torch.uint8 or weight.dim() != 2:
-        raise TypeError(f"packed weight must be a 2-D uint8 tensor, got {weight.dtype} {tuple(weight.shape)}")
-    n, k = weight.shape[0], weight.shape[1] * 2
-    if x.shape[-1] != k:
-        raise ValueError(f"activation K = {x.shape[-1]} does not match weight K = {k}")
-    if weight_scale.shape != (n, k // BLOCK_SIZE):
-        raise ValueError(f"block scale shape {tuple(weight_scale.shape)} != ({n}, {k // BLOCK_SIZE}) (linear layout)")
-    if pre_quant_scale is not None and pre_quant_scale.shape != (k,):
-        raise ValueError(f"pre_quant_scale shape {tuple(pre_quant_scale.shape)} != ({k},)")
-    if bias is not None and bias.shape != (n,):
-        raise ValueError(f"bias shape {tuple(bias.shape)} != ({n},)")
+    check_dense_layer(weight, weight_scale, pre_quant_scale, bias)
+    _check_activations(x, weight.shape[1] * 2)
 
 
-def _dequant_rows(weight: torch.Tensor, weight_scale: torch.Tensor, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
-    """Rows ``start:stop`` of ``e2m1 * e4m3`` (without ``weight_scale_2``) in ``dtype``: exact in fp32 and fp64."""
-    w = e2m1_decode(unpack_nibbles(weight[start:stop]), dtype)
-    return w * e4m3_decode(weight_scale[start:stop]).to(dtype).repeat_interleave(BLOCK_SIZE, dim=-1)
+# ----------------------------------------------------------------------------------------- fp32 GEMM
+_FP32_OUT_GEMM: dict[tuple[str, int | None], bool] = {}
+
+
+def has_fp32_out_bf16_gemm(device: torch.device) -> bool:
+    """Whether this torch build has a bf16 x bf16 -> fp32 ``addmm`` (``out_dtype=torch.float32``) on
+    ``device`` (CUDA torch >= 2.8; not CPU torch 2.13). Probed once per device."""
+    key = (device.type, device.index)
+    if key not in _FP32_OUT_GEMM:
+        a = torch.ones(2, 16, dtype=torch.bfloat16, device=device)
+        try:
+            y = torch.addmm(torch.zeros(2, dtype=torch.float32, device=device), a, a.T, alpha=0.5,
+                            out_dtype=torch.float32)
+            _FP32_OUT_GEMM[key] = y.dtype == torch.float32 and bool((y == 8.0).all())
+        except (RuntimeError, TypeError, NotImplementedError):
+            _FP32_OUT_GEMM[key] = False
+    return _FP32_OUT_GEMM[key]
+
+
+def _addmm_fp32(bias: torch.Tensor, a: torch.Tensor, w: torch.Tensor, alpha: float,
+                accumulate: torch.Tensor | None = None, w_fp32: torch.Tensor | None = None) -> torch.Tensor:
+    """``alpha * (a @ w^T) + bias`` (``+ accumulate`` instead of ``+ bias`` when given), fp32 ``[M, N]``,
+    from ``a [M, K]`` (bf16, or fp32 on the fallback) and bf16 ``w [N, K]``, accumulated in fp32.
+    ``w_fp32``: the fallback's kept fp32 copy of ``w``, if any."""
+    if a.dtype == torch.bfloat16 and has_fp32_out_bf16_gemm(a.device):
+        c = bias if accumulate is None else accumulate
+        return torch.addmm(c, a, w.T, alpha=alpha, out_dtype=torch.float32)
+    af = a.float()
+    n, step = w.shape[0], _chunk_rows(w.shape[1])
+    if w_fp32 is not None or step >= n:
+        wf = w_fp32 if w_fp32 is not None else w.float()
+        return torch.addmm(bias if accumulate is None else accumulate, af, wf.T, alpha=alpha)
+    out = torch.empty(a.shape[0], n, dtype=torch.float32, device=a.device)
+    for start in range(0, n, step):  # the upcast is exact, so chunking changes nothing
+        stop = min(start + step, n)
+        c = bias[start:stop] if accumulate is None else accumulate[:, start:stop]
+        out[:, start:stop] = torch.addmm(c, af, w[start:stop].float().T, alpha=alpha)
+    return out
+
+
+def _addmm_bf16_out(bias_bf16: torch.Tensor, a: torch.Tensor, w: torch.Tensor, alpha: float) -> torch.Tensor:
+    """``bf16(alpha * (a @ w^T) + bias)`` in one cuBLAS call: fp32 accumulation (compute type 32F), the
+    epilogue ``alpha * acc + bias`` in fp32 (scale type 32F) and one conversion of its result to bf16 --
+    the same value as the fp32-output GEMM followed by a cast (measured bitwise equal on an H200 for every
+    perf shape), without the second kernel and with cuBLAS's faster bf16-output GEMMs. PyTorch lets cuBLAS
+    reduce split-K partial sums in the *output* type (bf16) unless told otherwise, which would add
+    roundings: ``allow_bf16_reduced_precision_reduction`` is switched off for the call."""
+    matmul = torch.backends.cuda.matmul
+    previous = matmul.allow_bf16_reduced_precision_reduction
+    matmul.allow_bf16_reduced_precision_reduction = False
+    try:
+        return torch.addmm(bias_bf16, a, w.T, alpha=alpha)
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = previous
+
+
+# ----------------------------------------------------------------------------------------- prepared layer
+@dataclass(frozen=True)
+class PreparedLinear:
+    """A W4A16 linear layer decoded once for bf16 GEMMs (module docstring).
+
+    ``weight`` bf16 ``[N, K]`` = ``e2m1 * e4m3`` exactly (``weight_scale_2`` not applied); ``alpha`` the
+    fp32 decode scale (a Python float holding an fp32 value exactly); ``bias`` fp32 ``[N]`` (zeros when the
+    layer has none: the fused epilogue takes one, and ``+ 0`` changes nothing but the sign of a zero);
+    ``pre_quant_scale`` fp32 ``[K]`` or None; ``weight_fp32``: where the device has no bf16 -> fp32 GEMM
+    and the layer has at most ``_CHUNK_ELEMENTS`` weights, the fallback keeps its fp32 upcast (one chunk)
+    instead of upcasting on every call."""
+
+    weight: torch.Tensor
+    alpha: float
+    bias: torch.Tensor
+    pre_quant_scale: torch.Tensor | None = None
+    weight_fp32: torch.Tensor | None = None
+    #: The bias as bf16 when that is exact (no bias, or a bf16 one): enables the fused bf16-output GEMM.
+    bias_bf16: torch.Tensor | None = None
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+
+def prepare_w4a16_linear(
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_scale_2: torch.Tensor,
+    pre_quant_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> PreparedLinear:
+    """Decode a checkpoint layer (``weight [N, K/2]`` uint8, ``weight_scale [N, K/16]`` e4m3 linear,
+    ``weight_scale_2`` fp32 one per fused shard) for :func:`run_w4a16_linear`, on the weight's device."""
+    check_dense_layer(weight, weight_scale, pre_quant_scale, bias)
+    n, device = weight.shape[0], weight.device
+    decoded = codes_times_block_scales(weight, weight_scale)
+    alpha = float(dense_alpha(weight_scale_2))
+    fp32_bias = torch.zeros(n, dtype=torch.float32, device=device) if bias is None else bias.to(device, torch.float32)
+    pqs = None if pre_quant_scale is None else pre_quant_scale.to(device, torch.float32)
+    small = decoded.numel() <= _CHUNK_ELEMENTS and not has_fp32_out_bf16_gemm(device)
+    bias_bf16 = None
+    if bias is None or bias.dtype == torch.bfloat16:
+        bias_bf16 = fp32_bias.to(torch.bfloat16)  # exact: the values came from bf16 (or are zeros)
+    return PreparedLinear(decoded, alpha, fp32_bias, pqs, decoded.float() if small else None, bias_bf16)
+
+
+def run_w4a16_linear(prepared: PreparedLinear, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``x [..., K]`` bf16 -> ``[..., N]`` in ``out_dtype``: fp32 accumulation, fp32 epilogue, one rounding."""
+    _check_activations(x, prepared.in_features)
+    lead, n = x.shape[:-1], prepared.out_features
+    x2 = x.reshape(-1, x.shape[-1])
+    w, alpha, bias = prepared.weight, prepared.alpha, prepared.bias
+    fused = prepared.pre_quant_scale is None and out_dtype == torch.bfloat16 and prepared.bias_bf16 is not None
+    if fused and x.device.type == "cuda" and has_fp32_out_bf16_gemm(x.device):
+        return _addmm_bf16_out(prepared.bias_bf16, x2, w, alpha).reshape(*lead, n)
+    if prepared.pre_quant_scale is None:
+        out = _addmm_fp32(bias, x2, w, alpha, w_fp32=prepared.weight_fp32)
+    elif not has_fp32_out_bf16_gemm(x.device):  # fallback fp32 GEMM takes x' in fp32 directly (exact)
+        out = _addmm_fp32(bias, x2.float() * prepared.pre_quant_scale, w, alpha, w_fp32=prepared.weight_fp32)
+    else:
+        scaled = x2.float() * prepared.pre_quant_scale  # exact: 8 x 8 significant bits
+        hi = scaled.to(torch.bfloat16)
+        lo = (scaled - hi.float()).to(torch.bfloat16)  # exact: at most 8 significant bits remain
+        out = _addmm_fp32(bias, lo, w, alpha, accumulate=_addmm_fp32(bias, hi, w, alpha))
+    return out.reshape(*lead, n).to(out_dtype)
+
+
+# ----------------------------------------------------------------------------------------- one-shot forms
+def _decoded_rows(weight: torch.Tensor, weight_scale: torch.Tensor, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``start:stop`` of ``e2m1 * e4m3`` in ``dtype`` (exact in bf16, hence in fp32 and fp64)."""
+    return codes_times_block_scales(weight[start:stop], weight_scale[start:stop]).to(dtype)
 
 
 def w4a16_linear(
@@ -65,8 +245,13 @@ def w4a16_linear(
 ) -> torch.Tensor:
     """The reference W4A16 linear layer. ``x [..., K]`` bf16, ``weight [N, K/2]`` uint8, ``weight_scale
     [N, K/16]`` e4m3 (linear), ``weight_scale_2`` fp32 (one per fused shard). Accumulates in
-    ``accum_dtype`` (fp32 by default; fp64 gives the exact value the error bounds are measured from)."""
+    ``accum_dtype``: fp32 (default) is :func:`prepare_w4a16_linear` + :func:`run_w4a16_linear`; fp64
+    evaluates the formula in fp64 (``(x * pqs) @ W^T``, then ``* alpha``, then ``+ bias``), a chunk of
+    decoded rows at a time. Layers used more than once should be prepared once instead."""
     check_dense_inputs(x, weight, weight_scale, pre_quant_scale, bias)
+    if accum_dtype == torch.float32:
+        prepared = prepare_w4a16_linear(weight, weight_scale, weight_scale_2, pre_quant_scale, bias)
+        return run_w4a16_linear(prepared, x, out_dtype)
     xa = x.to(accum_dtype)
     if pre_quant_scale is not None:
         xa = xa * pre_quant_scale.to(accum_dtype)
@@ -74,11 +259,9 @@ def w4a16_linear(
     n = weight.shape[0]
     out = torch.empty(xa.shape[0], n, dtype=accum_dtype, device=x.device)
     step = _chunk_rows(xa.shape[-1])
-    for start in range(0, n, step):  # e2m1 * e4m3 is exact in fp32, so chunking changes nothing
+    for start in range(0, n, step):  # e2m1 * e4m3 is exact in any float format here, so chunking changes nothing
         stop = min(start + step, n)
-        w = _dequant_rows(weight, weight_scale, start, stop, accum_dtype)
-        out[:, start:stop] = xa @ w.T
-        del w
+        out[:, start:stop] = xa @ _decoded_rows(weight, weight_scale, start, stop, accum_dtype).T
     out.mul_(dense_alpha(weight_scale_2).to(accum_dtype))  # in place: peak extra memory stays one output
     if bias is not None:
         out.add_(bias.to(accum_dtype))
@@ -101,7 +284,8 @@ def w4a16_linear_exact(
     * ``magnitude = (|x * pqs| @ |W|^T) * alpha`` (no bias): the scale of the accumulation error.
 
     IEEE semantics carry through: a NaN/Inf activation gives a non-finite exact value wherever IEEE fp64
-    says so. Dequantizes ``_CHUNK_ELEMENTS`` weights at a time, like :func:`w4a16_linear`."""
+    says so. Decodes ``_CHUNK_ELEMENTS`` weights at a time (bf16, exact, then upcast), like the fp64 path of
+    :func:`w4a16_linear`."""
     check_dense_inputs(x, weight, weight_scale, pre_quant_scale, bias)
     f64 = torch.float64
     xa = x.to(f64)
@@ -115,9 +299,9 @@ def w4a16_linear_exact(
     step = _chunk_rows(xa.shape[-1])
     for start in range(0, n, step):
         stop = min(start + step, n)
-        w = _dequant_rows(weight, weight_scale, start, stop, f64)
+        w = _decoded_rows(weight, weight_scale, start, stop, f64)
         exact[:, start:stop] = xa @ w.T
-        magnitude[:, start:stop] = xabs @ w.abs().T
+        magnitude[:, start:stop] = xabs @ w.abs_().T
         del w
     alpha = dense_alpha(weight_scale_2).to(f64)
     exact *= alpha

@@ -21,8 +21,12 @@ weighted combine; the reference does not (it keeps fp32 until the final bf16 cas
 (``conformance/bounds_moe.py``) covers both. ``accum_dtype=torch.float64`` gives the exact value of the
 dequantized model (fp64, no intermediate rounding): the value error bounds are measured from.
 
-Memory: experts are processed one at a time, dequantizing only experts that receive tokens.
-Ids outside this rank's range (other ranks' experts, or negative padding ids) contribute nothing.
+Evaluation: with fp32 accumulation (the default) the experts run as bf16 grouped GEMMs with fp32
+accumulation and fp32 outputs (:mod:`reference_impl.moe_grouped`: the codes times block scales are exact
+in bf16, so this is the same fp32 sum of exact products); a one-shot call decodes only the experts that
+receive tokens, a backend prepares all of its experts once. The fp64 evaluation visits the experts with
+tokens one at a time. Ids outside this rank's range (other ranks' experts, or negative padding ids)
+contribute nothing.
 """
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ from typing import Protocol
 
 import torch
 
-from .nvfp4 import BLOCK_SIZE, e2m1_decode, e4m3_decode, unpack_nibbles
+from .nvfp4 import BLOCK_SIZE, codes_times_block_scales
 
 ACTIVATIONS = ("swiglu", "geglu", "relu2", "swiglu_oai")
 GATED_ACTIVATIONS = frozenset({"swiglu", "geglu", "swiglu_oai"})
@@ -179,29 +183,10 @@ class DequantizedExpert:
     scale_down: torch.Tensor  # 0-d
 
 
-_BYTE_LUT: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-
-
-def _byte_table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """``[256, 2]``: the two E2M1 values (low nibble, high nibble) of every packed byte."""
-    key = (device, dtype)
-    if key not in _BYTE_LUT:
-        codes = unpack_nibbles(torch.arange(256, dtype=torch.uint8, device=device).view(256, 1))
-        _BYTE_LUT[key] = e2m1_decode(codes, dtype)
-    return _BYTE_LUT[key]
-
-
-def _codes_times_block_scales(packed: torch.Tensor, block_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``e2m1 * e4m3`` as ``[N, K]`` in ``dtype`` (exact: at most 5 significant bits), one table gather."""
-    n, k = packed.shape[0], packed.shape[1] * 2
-    values = _byte_table(packed.device, dtype)[packed.long()].reshape(n, k // BLOCK_SIZE, BLOCK_SIZE)
-    return (values * e4m3_decode(block_scale).to(dtype).unsqueeze(-1)).reshape(n, k)
-
-
 def dequantize_expert(experts: NVFP4Experts, e: int, dtype: torch.dtype = torch.float32) -> DequantizedExpert:
-    """Local expert ``e``: gate/up/down as e2m1 * e4m3 (exact in fp32 and fp64) plus its decode scales."""
-    w13 = _codes_times_block_scales(experts.w13[e], experts.w13_scale[e], dtype)
-    down = _codes_times_block_scales(experts.w2[e], experts.w2_scale[e], dtype)
+    """Local expert ``e``: gate/up/down as e2m1 * e4m3 (exact in bf16, fp32 and fp64) plus its decode scales."""
+    w13 = codes_times_block_scales(experts.w13[e], experts.w13_scale[e]).to(dtype)
+    down = codes_times_block_scales(experts.w2[e], experts.w2_scale[e]).to(dtype)
     s13 = experts.w13_scale_2[e].to(dtype).reshape(-1)
     s2 = experts.w2_scale_2[e].to(dtype).reshape(())
     if is_gated(experts.activation):
@@ -261,6 +246,16 @@ def fused_moe_w4a16(
     check_moe_inputs(x, topk_ids, topk_weights, experts)
     if round_intermediate is None:
         round_intermediate = accum_dtype != torch.float64
+    if accum_dtype == torch.float32:  # bf16 grouped GEMMs, fp32 accumulation: reference_impl.moe_grouped
+        from .moe_grouped import prepare_experts, routed_local_experts, run_prepared_experts
+
+        active = routed_local_experts(topk_ids.to(x.device), experts)
+        if expert_order is not None:  # no numeric effect there (the combine sums slots in a fixed order)
+            rank = {e: i for i, e in enumerate(expert_order)}
+            active = sorted(active, key=lambda e: rank[e])
+        prepared = prepare_experts(experts, active)
+        return run_prepared_experts(prepared, x, topk_ids, topk_weights, out_dtype=out_dtype,
+                                    round_intermediate=round_intermediate)
     xa = x.to(accum_dtype)
     out = torch.zeros(x.shape[0], x.shape[1], dtype=accum_dtype, device=x.device)
     batches = expert_batches(topk_ids.to(x.device), local_expert_offset(experts), experts.num_local_experts)

@@ -167,6 +167,61 @@ def quantize_kernel(x: torch.Tensor, global_sf: torch.Tensor | float) -> tuple[t
     return pack_nibbles(codes), sf
 
 
+def _e2m1_as_e4m3_bytes(packed: torch.Tensor) -> torch.Tensor:
+    """``[..., K/2]`` packed codes -> ``[..., K/2, 2]`` ``float8_e4m3fn`` holding ``e2m1 * 2^-6`` exactly.
+
+    An E2M1 code ``s e1 e0 m`` (bias 1) placed as the E4M3 byte ``s 0 0 e1 e0 m 0 0`` (bias 7) keeps its
+    sign, exponent field and mantissa bit, so its value is the E2M1 value times ``2^(1-7) = 2^-6``; the
+    E2M1 subnormal (``e = 0``: 0 and 0.5) lands on the E4M3 subnormals (``m * 2^-7``), so the identity holds
+    for all 16 codes, -0 included. Pure elementwise byte arithmetic: no per-element table gather."""
+    lo = ((packed & 0x08) << 4) | ((packed & 0x07) << 2)
+    hi = (packed & 0x80) | ((packed & 0x70) >> 2)
+    return torch.stack((lo, hi), dim=-1).view(torch.float8_e4m3fn)
+
+
+#: Weight elements decoded per step by :func:`codes_times_block_scales` (bounds its temporaries).
+DECODE_CHUNK_ELEMENTS = 1 << 26
+
+
+def codes_times_block_scales(
+    packed: torch.Tensor, block_scale: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``e2m1 * e4m3`` (``weight_scale_2`` not applied) as **bfloat16** ``[..., N, K]``, exactly.
+
+    Why bf16 is exact: an E2M1 magnitude (0.5 .. 6) has at most 2 significant bits; an E4M3 scale has at
+    most 4 (normal: ``(1 + m/8) 2^(E-7)``, 2^-6 .. 448) or at most 3 (subnormal: ``m 2^-9``, m = 1..7);
+    their product has at most 6 significant bits and a magnitude in ``[2^-1 * 2^-9, 6 * 448] = [2^-10,
+    2688]``, well inside bf16's normal range, and bf16 carries 8 significant bits. So every product is
+    representable and the bf16 multiply rounds nothing. Computed as ``(e2m1 * 2^-6 as E4M3 -> bf16) *
+    (e4m3 -> bf16) * 64`` (both conversions exact, 64 a power of two; the scaled block scale stays in
+    ``[2^-3, 28672]``). A NaN block scale (0x7F/0xFF) gives NaN, as in any dequantization. Decodes
+    :data:`DECODE_CHUNK_ELEMENTS` at a time into ``out`` (allocated when not given): the extra memory
+    beyond the bf16 result is one chunk's temporaries."""
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"packed NVFP4 data must be uint8, got {packed.dtype}")
+    *lead, n, half_k = packed.shape
+    k = half_k * 2
+    if k % BLOCK_SIZE or tuple(block_scale.shape) != (*lead, n, k // BLOCK_SIZE):
+        raise ValueError(
+            f"block scale shape {tuple(block_scale.shape)} does not match packed weight {tuple(packed.shape)} "
+            f"(expected {(*lead, n, k // BLOCK_SIZE)})"
+        )
+    if block_scale.dtype == torch.uint8:
+        block_scale = block_scale.view(torch.float8_e4m3fn)
+    rows = packed.reshape(-1, half_k)
+    scales = block_scale.reshape(-1, k // BLOCK_SIZE)
+    if out is None:
+        out = torch.empty(*lead, n, k, dtype=torch.bfloat16, device=packed.device)
+    flat = out.view(-1, k // BLOCK_SIZE, BLOCK_SIZE)
+    step = max(1, DECODE_CHUNK_ELEMENTS // k)
+    for start in range(0, rows.shape[0], step):
+        stop = min(start + step, rows.shape[0])
+        values = _e2m1_as_e4m3_bytes(rows[start:stop]).view(stop - start, k // BLOCK_SIZE, BLOCK_SIZE)
+        scale = scales[start:stop].to(torch.bfloat16).mul_(64.0).unsqueeze(-1)
+        torch.mul(values.to(torch.bfloat16), scale, out=flat[start:stop])
+    return out
+
+
 def dequantize(
     packed: torch.Tensor,
     block_scale: torch.Tensor,
@@ -174,18 +229,11 @@ def dequantize(
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """``e2m1 * e4m3 * weight_scale_2`` from packed codes and *linear* block scales.
-    ``e2m1 * e4m3`` is exact in fp32 (and in bf16: at most 5 significant bits); the product with
+    ``e2m1 * e4m3`` is exact in bf16 and fp32 (:func:`codes_times_block_scales`); the product with
     ``weight_scale_2`` is one fp32 rounding, then one cast to ``dtype``."""
-    codes = unpack_nibbles(packed)
-    n, k = codes.shape[-2], codes.shape[-1]
-    if block_scale.shape[-2:] != (n, k // BLOCK_SIZE):
-        raise ValueError(
-            f"block scale shape {tuple(block_scale.shape)} does not match packed weight {tuple(packed.shape)} "
-            f"(expected [..., {n}, {k // BLOCK_SIZE}])"
-        )
-    values = e2m1_decode(codes) * e4m3_decode(block_scale).repeat_interleave(BLOCK_SIZE, dim=-1)
+    values = codes_times_block_scales(packed, block_scale).float()
     ws2 = torch.as_tensor(weight_scale_2, dtype=torch.float32, device=packed.device)
-    if ws2.dim() == 1 and codes.dim() == 3:  # per-expert scales
+    if ws2.dim() == 1 and values.dim() == 3:  # per-expert scales
         ws2 = ws2.view(-1, 1, 1)
     return (values * ws2).to(dtype)
 

@@ -150,14 +150,17 @@ def test_expert_parallel_ranks_sum_to_full_layer() -> None:
 
 
 def test_only_experts_with_tokens_are_dequantized(monkeypatch) -> None:
+    import reference_impl.moe_grouped as grouped
+
     case = CASES["t128_e64_k2_empty_experts"]
     experts = build_global_experts(case)
     x, ids, w = build_inputs(case)
     seen = []
-    real = moe.dequantize_expert
-    monkeypatch.setattr(moe, "dequantize_expert", lambda ex, e, dtype=torch.float32: seen.append(e) or real(ex, e, dtype))
+    real = grouped.prepare_experts
+    monkeypatch.setattr(grouped, "prepare_experts", lambda ex, local=None: seen.extend(local) or real(ex, local))
     moe.fused_moe_w4a16(x, ids, w, experts)
     assert sorted(seen) == sorted(set(ids.reshape(-1).tolist())) and all(e % 4 == 0 for e in seen)
+    assert moe.fused_moe_exact(x, ids, w, experts).shape == x.shape  # the fp64 path decodes per expert
 
 
 def test_order_and_grouping_do_not_matter_beyond_rounding() -> None:

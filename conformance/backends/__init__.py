@@ -24,9 +24,16 @@ def backend_spec_from_env(cli_value: str | None) -> str:
 
 
 def load_backends(spec: str) -> list[Backend]:
-    """Resolve ``spec`` (a built-in name or ``module:attr``) to one or more backend instances.
-    ``attr`` may be a :class:`Backend` subclass, an instance, or a zero-argument callable returning an
-    instance or a list of instances (one per kernel variant, each its own parametrization)."""
+    """Resolve ``spec`` (a built-in name or ``module:attr``; several separated by commas, e.g.
+    ``reference,mymodule:MyBackend`` to run a backend next to the reference) to one or more backend
+    instances. ``attr`` may be a :class:`Backend` subclass, an instance, or a zero-argument callable
+    returning an instance or a list of instances (one per kernel variant, each its own parametrization)."""
+    if "," in spec:
+        backends = [b for part in spec.split(",") if part.strip() for b in load_backends(part.strip())]
+        names = [b.name for b in backends]
+        if len(set(names)) != len(names):
+            raise BackendLoadError(f"{spec}: backend names must be distinct, got {names}")
+        return backends
     target = BUILTIN_BACKENDS.get(spec, spec)
     if ":" not in target:
         raise BackendLoadError(

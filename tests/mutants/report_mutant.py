@@ -18,11 +18,12 @@ class NoDecodeScaleMutant(ReferenceBackend):
         return "mutant (alpha = 1) of " + super().version()
 
     def run_dense(self, prepared, x: torch.Tensor) -> torch.Tensor:
+        layer = prepared.layer  # the checkpoint tensors the reference keeps next to its decoded weight
         return w4a16_linear(
             x,
-            prepared.weight,
-            prepared.weight_scale,
-            torch.ones_like(prepared.weight_scale_2),
-            pre_quant_scale=prepared.pre_quant_scale,
-            bias=prepared.bias,
+            layer.weight,
+            layer.weight_scale,
+            torch.ones_like(layer.weight_scale_2),
+            pre_quant_scale=layer.pre_quant_scale,
+            bias=layer.bias,
         )
