@@ -3,26 +3,13 @@ the reference math, the case inputs or the quantizer is noticed. Regenerate with
 after explaining the change."""
 from __future__ import annotations
 
-import hashlib
-
 import pytest
-import torch
 
 from conformance.bounds import U_FP32, gamma
 from conformance.dense_cases import CPU_CASES, build_activations, build_layer
 from conformance.snapshots import Approx
+from conformance.golden import CANONICAL, inputs_sha256
 from reference_impl.dense import w4a16_linear, w4a16_linear_exact
-
-CANONICAL = ("cpu-k48-mult16-not64", "cpu-fused-qkv-3-scales", "cpu-awq-bias-3d")
-
-
-def _inputs_sha256(layer, x) -> str:
-    h = hashlib.sha256()
-    for t in (layer.weight, layer.weight_scale, layer.weight_scale_2, layer.input_scale, layer.pre_quant_scale,
-              layer.bias, x.contiguous()):
-        if t is not None:
-            h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 @pytest.mark.cpu
@@ -38,7 +25,7 @@ def test_dense_reference_golden(case, golden):
     fp32_atol = 2 * gamma(case.k + 2, U_FP32) * a_max
     assert golden == {
         "case": repr(case),
-        "inputs_sha256": _inputs_sha256(layer, x),
+        "inputs_sha256": inputs_sha256(layer, x),
         "exact_fp64": Approx(exact, rtol=0.0, atol=fp64_atol, why=(
             "y* sums K exact products in fp64 (plus alpha and bias): any two summation orders differ by at most "
             "2 gamma_{K+2}(2^-53) max(|x'| @ |W|^T alpha)")),
