@@ -3,6 +3,9 @@ the real FlashInfer must (1) both be within the derived dense / MoE error bounds
 (2) reject the same bad inputs with the same exception type. Run on a B200/B300:
 
     pytest conformance/test_emulator_vs_flashinfer.py -v
+
+Their subject is real FlashInfer compared with the emulator, so under ``--flashinfer-emulated`` (where the
+emulator stands in for FlashInfer) they skip with that reason instead of comparing the emulator with itself.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from conformance.engine_harness.cases import EngineMoECase, build_moe_checkpoint
 from reference_impl.dense import w4a16_linear_exact
 from reference_impl.nvfp4 import quantize_modelopt, swizzle_128x4, to_cutedsl_w13
 
+pytestmark = pytest.mark.needs_real_flashinfer
 _B200 = [pytest.mark.b200]
 #: Messages FlashInfer gives when a backend's library is missing on this machine (not a conformance matter).
 _UNAVAILABLE = re.compile(r"not available|requires backend version|cuDNN|JIT|nvcc|compile", re.IGNORECASE)

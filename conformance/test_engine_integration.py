@@ -1,6 +1,8 @@
 """An engine's real NVFP4 integration code (dense W4A16, dense W4A4, fused MoE W4A16) run against the
-FlashInfer emulator and judged against the checkpoint reference (cpu tier). Select the engine with
-``--engine`` (default: sglang); the tests skip with the adapter's reason when the engine is not installed.
+FlashInfer emulator and judged against the checkpoint reference (cpu tier), and the same cases with the engine's
+layer code calling the real FlashInfer kernels on the GPU (``b200`` tier; under ``--flashinfer-emulated`` the
+emulator again, on this host's device, through the b200 code path). Select the engine with ``--engine``
+(default: sglang); the tests skip with the adapter's reason when the engine is not installed.
 
 Each case runs the whole scenario (build, load through the engine's loaders, post-load, forward, reload,
 forward) and applies the named checks of :mod:`conformance.engine_harness.checks`. An engine adapter can
@@ -16,8 +18,8 @@ from conformance.engine_harness.cases import DENSE_CASES, MOE_CASES
 from conformance.engine_harness.checks import failing_checks
 
 
-def _judge(engine_adapter, case) -> None:
-    failures = failing_checks(engine_adapter, case)
+def _judge(engine_adapter, case, platform=None) -> None:
+    failures = failing_checks(engine_adapter, case, platform)
     known = getattr(engine_adapter, "known_deviations", {}).get(case.id)
     if known:
         assert failures, f"{case.id}: declared as a known deviation ({known}) but every check passes now"
@@ -33,3 +35,27 @@ def test_dense_integration(engine_adapter, case):
 @pytest.mark.parametrize("case", as_params(MOE_CASES))
 def test_moe_integration(engine_adapter, case):
     _judge(engine_adapter, case)
+
+
+@pytest.mark.b200
+@pytest.mark.parametrize("case", as_params(DENSE_CASES))
+def test_dense_integration_flashinfer(engine_adapter, case):
+    _judge(engine_adapter, case, _flashinfer_platform())
+
+
+@pytest.mark.b200
+@pytest.mark.parametrize("case", as_params(MOE_CASES))
+def test_moe_integration_flashinfer(engine_adapter, case):
+    _judge(engine_adapter, case, _flashinfer_platform())
+
+
+def _flashinfer_platform():
+    """The b200 tier's FlashInfer (installed, or the emulator under --flashinfer-emulated); skips, naming why,
+    when it cannot be loaded."""
+    from conformance.backends.flashinfer_platform import current_platform
+
+    platform = current_platform()
+    module, reason = platform.load()
+    if module is None:
+        pytest.skip(reason)
+    return platform

@@ -3,6 +3,7 @@ backend's tier, and skip tests whose tier this machine lacks, with the reason. `
 emulates the ``b200`` tier (see :mod:`conformance.tiers`)."""
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -22,7 +23,7 @@ REAL_FLASHINFER_MARKER = "needs_real_flashinfer"
 EMULATED_REAL_FLASHINFER_REASON = (
     "compares real FlashInfer with the emulator; under --flashinfer-emulated both sides would be the emulator"
 )
-_OWN_TIER = pytest.StashKey[str]()  # the tier a test had before its backend's was applied
+_HOST_TIER = pytest.StashKey[str]()  # what a test needs besides b200 (its case's tier): checked when emulated
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -57,24 +58,27 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 
 def tier_of(item: pytest.Item) -> str:
-    """The item's tier marker (``cpu`` when it has none)."""
-    return next((t for t in TIERS if item.get_closest_marker(t) is not None), "cpu")
+    """The item's tier: the stricter of its tier markers (``cpu`` when it has none)."""
+    return functools.reduce(stricter_tier, (t for t in TIERS if item.get_closest_marker(t) is not None), "cpu")
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """A test parametrized by a backend needs the stricter of its own tier and the backend's ``tier``:
-    its tier marker is replaced accordingly (test ids do not change)."""
+    """Each test keeps exactly one tier marker: the stricter of its own markers (a case's tier and a
+    function-level one) and, for a test parametrized by a backend, the backend's ``tier``. Test ids do not
+    change. What the test needs besides ``b200`` is kept for the emulated run."""
     for item in items:
-        own = item.stash[_OWN_TIER] = tier_of(item)
         backend = getattr(getattr(item, "callspec", None), "params", {}).get("backend")
-        needed = getattr(backend, "tier", "cpu")
+        marked = [t for t in TIERS if item.get_closest_marker(t) is not None]
         try:
-            effective = stricter_tier(own, needed)
+            item.stash[_HOST_TIER] = functools.reduce(stricter_tier, (t for t in marked if t != "b200"), "cpu")
+            effective = stricter_tier(tier_of(item), getattr(backend, "tier", "cpu"))
         except ValueError as exc:
-            item.add_marker(pytest.mark.skip(reason=f"backend {backend.name!r} needs {needed}, case needs {own}: {exc}"))
+            item.add_marker(pytest.mark.skip(reason=f"no machine offers what this test needs: {exc}"))
             continue
-        if effective != own:
+        if marked != [effective]:
+            # The item's own markers (function decorators, its parametrization); a tier marker on a class or
+            # module is shared with other tests and stays (-m then sees both).
             item.own_markers[:] = [m for m in item.own_markers if m.name not in TIERS]
             item.add_marker(getattr(pytest.mark, effective))
 
@@ -93,8 +97,7 @@ def _emulated_b200_reason(item: pytest.Item, hw) -> str | None:
     needs (a ``cuda`` case needs a CUDA GPU), and real-vs-emulator comparisons cannot run at all."""
     if item.get_closest_marker(REAL_FLASHINFER_MARKER) is not None:
         return EMULATED_REAL_FLASHINFER_REASON
-    own = item.stash.get(_OWN_TIER, "b200")
-    reason = tier_skip_reason("cpu" if own == "b200" else own, hw)
+    reason = tier_skip_reason(item.stash.get(_HOST_TIER, "cpu"), hw)
     return None if reason is None else f"emulated b200 on this host, but the case itself {reason}"
 
 
