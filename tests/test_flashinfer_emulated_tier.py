@@ -16,6 +16,8 @@ import pytest
 
 from conformance.reporting import EMULATED_B200_TIER, EMULATED_VERDICT_NOTE
 
+pytest_plugins = ["pytester"]
+
 REPO = Path(__file__).resolve().parent.parent
 MOE_IDS = ("t7_e8_k2_h192_i192", "t128_e8_k2_geglu", "t128_e8_k2_ep2")
 DENSE_IDS = ("flashinfer-cute-dsl-cpu-square-n192-k192", "flashinfer-cudnn-cpu-square-n192-k192")
@@ -76,3 +78,28 @@ def test_planted_adapter_layout_bugs_fail_the_emulated_b200_tier(planted):
         assert check in tests[nodeid]["message"], (nodeid, tests[nodeid]["message"])
         assert "--flashinfer-emulated" in tests[nodeid]["repro"]  # the repro reruns the emulated case
     assert summary["verdict"] == "fail" and summary["flashinfer_emulated"] is True
+
+
+def _collect(pytester: pytest.Pytester, marker: str) -> list[str]:
+    """Test ids ``pytest -m marker --collect-only`` selects from the suite's modules (in-process: no second
+    torch import). Runs from the repository root, so the root conftest loads the suite's plugin."""
+    paths = ["conformance/test_dense.py", "conformance/test_moe.py", "conformance/test_dense_golden.py",
+             "conformance/test_engine_integration.py"]
+    result = pytester.runpytest_inprocess("-m", marker, "--collect-only", "-q", "-p", "no:cacheprovider",
+                                          "--rootdir", str(REPO), *paths)
+    assert result.ret == 0, "\n".join(result.outlines[-20:])
+    return [line for line in result.outlines if "::" in line]
+
+
+def test_b200_selects_exactly_the_flashinfer_tests(pytester, monkeypatch):
+    """Without --backend the suite runs the reference and FlashInfer; every test against a FlashInfer backend
+    (any case tier) and the harness's real-FlashInfer variant is b200, and only those are."""
+    monkeypatch.delenv("NVFP4_CONFORMANCE_BACKEND", raising=False)
+    monkeypatch.chdir(REPO)
+    b200, rest = _collect(pytester, "b200"), _collect(pytester, "not b200")
+    assert b200 and all("[flashinfer-" in i or "_integration_flashinfer[" in i for i in b200), b200[:5]
+    assert rest and not any("[flashinfer-" in i or "_integration_flashinfer[" in i for i in rest)
+    cases = {i.split("[", 1)[1] for i in b200 if "test_dense_matches_reference[" in i}
+    assert {c.split("-cpu-")[0] for c in cases if "-cpu-" in c} == {
+        f"flashinfer-{b}" for b in ("cudnn", "cute-dsl", "cute-dsl-native", "blackwell-native", "blackwell-tiled")
+    }
