@@ -34,22 +34,28 @@ _IMPLIES = {
     "multi_gpu": frozenset({"cpu", "cuda"}),
     "b200_4gpu": frozenset({"cpu", "cuda", "b200", "multi_gpu"}),
 }
+if set(_IMPLIES) != set(TIERS):  # a tier added to TIERS must say what it implies (stricter_tier needs it)
+    raise RuntimeError(f"conformance.tiers: _IMPLIES lists {sorted(_IMPLIES)}, TIERS has {sorted(TIERS)}")
 #: ``1`` in the environment has the same effect as :func:`set_b200_emulation` (``--flashinfer-emulated``).
 B200_EMULATION_ENV_VAR = "NVFP4_FLASHINFER_EMULATED"
 _b200_emulation: list[bool] = []
 
 
+class NoTierOffersBoth(ValueError):
+    """Two tiers no machine offers together (``sm90`` + ``b200``)."""
+
+
 def stricter_tier(a: str, b: str) -> str:
     """The least demanding tier that offers both ``a`` and ``b`` (``cpu`` + ``b200`` -> ``b200``, ``cuda`` +
-    ``b200`` -> ``b200``, ``multi_gpu`` + ``b200`` -> ``b200_4gpu``); ``ValueError`` when none does
-    (``sm90`` + ``b200``: no GPU is both)."""
+    ``b200`` -> ``b200``, ``multi_gpu`` + ``b200`` -> ``b200_4gpu``); :class:`NoTierOffersBoth` when none does
+    (``sm90`` + ``b200``: no GPU is both), ``ValueError`` for an unknown tier."""
     for tier in (a, b):
         if tier not in _IMPLIES:
             raise ValueError(f"unknown hardware tier {tier!r}; known: {', '.join(TIERS)}")
     both = [t for t in TIERS if {a, b} <= _IMPLIES[t] | {t}]
     least = [t for t in both if not any(o != t and o in _IMPLIES[t] for o in both)]
     if len(least) != 1:
-        raise ValueError(f"no hardware tier offers both {a!r} and {b!r}")
+        raise NoTierOffersBoth(f"no hardware tier offers both {a!r} and {b!r}")
     return least[0]
 
 
