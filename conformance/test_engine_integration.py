@@ -40,22 +40,38 @@ def test_moe_integration(engine_adapter, case):
 @pytest.mark.b200
 @pytest.mark.parametrize("case", as_params(DENSE_CASES))
 def test_dense_integration_flashinfer(engine_adapter, case):
-    _judge(engine_adapter, case, _flashinfer_platform())
+    _judge(engine_adapter, case, _flashinfer_platform("dense"))
 
 
 @pytest.mark.b200
 @pytest.mark.parametrize("case", as_params(MOE_CASES))
 def test_moe_integration_flashinfer(engine_adapter, case):
-    _judge(engine_adapter, case, _flashinfer_platform())
+    _judge(engine_adapter, case, _flashinfer_platform("moe"))
 
 
-def _flashinfer_platform():
+def _flashinfer_platform(kind: str):
     """The b200 tier's FlashInfer (installed, or the emulator under --flashinfer-emulated); skips, naming why,
-    when it cannot be loaded."""
+    when it cannot run what the engine calls: SGLang's W4A16/W4A4 paths use the ``cute-dsl`` GEMM backend and
+    the CuTe DSL MoE, gated as FlashInfer gates them."""
+    import torch
+
+    from conformance.backends.flashinfer import capability_skip_reason, precondition_skip_reason
+    from conformance.backends.flashinfer_moe import flashinfer_moe_skip_reason
     from conformance.backends.flashinfer_platform import current_platform
+    from conformance.tiers import device_for_tier
 
     platform = current_platform()
     module, reason = platform.load()
     if module is None:
+        pytest.skip(reason)
+    device = torch.device(device_for_tier("b200"))
+    gpu = platform.gpu(device)
+    if isinstance(gpu, str):
+        pytest.skip(gpu)
+    reason = capability_skip_reason(module.mm_bf16_fp4, "cute-dsl", gpu.capability, gpu.name) or (
+        precondition_skip_reason("cute-dsl", platform))
+    if kind == "moe":
+        reason = reason or flashinfer_moe_skip_reason(None, device, platform)
+    if reason:
         pytest.skip(reason)
     return platform
