@@ -11,6 +11,10 @@ adds one serial run per GPU tier the machine offers (GPU cases share one device)
 runs only that tier, and is a configuration error on a machine without it. Each run writes ``<out>/<tier>/{junit.xml,summary.json,report.md,artifacts/}``; the
 gate merges them into ``<out>/{junit.xml,summary.json,report.md}``.
 
+``--flashinfer-emulated`` rehearses the ``b200`` tier on any machine (FlashInfer's entry points routed to the
+emulator, SM100 answered by the capability check): its tests run in the CPU run on a machine without a GPU, in
+their own serial run on a GPU machine; the reports say EMULATED and never count them as B200 results.
+
 Gate verdict: FAIL (exit 1) when a test fails or errors and no expectation covers it, when an expected
 failure passes (XPASS strict), when an expectation entry matches no test (stale), when pytest stops
 abnormally, or when no test was collected at all. Exit 2: the gate was misconfigured (unknown tier, tier
@@ -32,7 +36,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # this checkout's suite, installed or not (a clean clone works as is)
 
 from conformance.backends import BUILTIN_BACKENDS, backend_spec_from_env  # noqa: E402
-from conformance.reporting import gate_failures, merge_summaries, render_markdown  # noqa: E402
+from conformance.reporting import EMULATED_VERDICT_NOTE, gate_failures, merge_summaries, render_markdown  # noqa: E402
 from conformance.tiers import TIERS, detect_hardware, tier_skip_reason  # noqa: E402
 
 GPU_TIERS = tuple(t for t in TIERS if t != "cpu")
@@ -54,6 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tests", nargs="+", default=["conformance"], help="test paths, relative to --rootdir (default: conformance)")
     p.add_argument("--rootdir", default=str(REPO_ROOT), help="directory pytest runs in (default: the repository root)")
     p.add_argument("--workers", default="auto", help="pytest-xdist workers for the CPU run: auto, a number, or 0 (serial)")
+    p.add_argument("--flashinfer-emulated", action="store_true",
+                   help="rehearse the b200 tier on the FlashInfer emulator (reports say EMULATED; not a B200 result)")
     p.add_argument("pytest_args", nargs="*", help="extra pytest arguments, after '--' (e.g. -- -k dense)")
     return p.parse_args(argv)
 
@@ -65,15 +71,20 @@ def default_expectations(spec: str) -> Path | None:
     return path if path.exists() else None
 
 
-def plan_runs(tier: str) -> tuple[list[tuple[str, str | None, bool]], dict[str, str]]:
+def plan_runs(tier: str, emulated: bool = False) -> tuple[list[tuple[str, str | None, bool]], dict[str, str]]:
     """``[(run name, -m expression or None, parallel)]`` and the tiers not run, with reasons.
 
     The ``cpu`` run holds every test except those of the GPU tiers this machine has: tests of tiers it
     lacks are collected there and skipped with the reason, so the report counts them. Each GPU tier the
-    machine has gets its own serial run (``--tier all``, or that tier named)."""
+    machine has gets its own serial run (``--tier all``, or that tier named). ``emulated``: the ``b200`` tier
+    is emulated on this host's device: in the (parallel) ``cpu`` run without a GPU, its own serial run with one."""
     hw = detect_hardware()
     present = [t for t in GPU_TIERS if tier_skip_reason(t, hw) is None]
     absent = {t: tier_skip_reason(t, hw) for t in GPU_TIERS if t not in present}
+    if emulated:
+        absent.pop("b200", None)
+        if hw.gpus:
+            present = [t for t in GPU_TIERS if t in present or t == "b200"]
     cpu_run = ("cpu", f"not ({' or '.join(present)})" if present else None, True)
     if tier == "all":
         return [cpu_run] + [(t, t, False) for t in present], absent
@@ -83,6 +94,8 @@ def plan_runs(tier: str) -> tuple[list[tuple[str, str | None, bool]], dict[str, 
         raise GateConfigError(f"unknown tier {tier!r}; use one of {', '.join(TIERS)} or 'all'")
     if tier in absent:
         raise GateConfigError(f"tier {tier!r} is not present on this machine: {absent[tier]}")
+    if tier == "b200" and emulated and "b200" not in present:  # emulated on the CPU: parallel
+        return [("b200", "b200", True)], {}
     return [(tier, tier, False)], {}
 
 
@@ -92,6 +105,8 @@ def pytest_command(args: argparse.Namespace, spec: str, expectations: Path | Non
            "-o", "junit_family=xunit1", "-p", "no:cacheprovider"]  # xunit1: per-test <properties> (bound ratios)
     if marker_expr:
         cmd += ["-m", marker_expr]
+    if args.flashinfer_emulated:
+        cmd.append("--flashinfer-emulated")
     if expectations is not None:
         try:  # shorter repro commands: relative to where pytest runs
             expectations = expectations.relative_to(Path(args.rootdir).resolve())
@@ -126,7 +141,7 @@ def run_gate(args: argparse.Namespace) -> int:
     else:
         expectations = default_expectations(spec)
     out = Path(args.out or REPO_ROOT / "reports" / re.sub(r"[^A-Za-z0-9_.-]+", "_", spec)).resolve()
-    runs, absent = plan_runs(args.tier)
+    runs, absent = plan_runs(args.tier, args.flashinfer_emulated)
     out.mkdir(parents=True, exist_ok=True)
 
     summaries, junits, gate_runs, run_errors = [], [], [], []
@@ -160,7 +175,8 @@ def run_gate(args: argparse.Namespace) -> int:
     for t in merged["tests"]:
         if t["repro"] and t["outcome"] in ("failed", "error", "xpass_strict"):
             print(f"[gate] {t['outcome']}: {t['nodeid']}\n        repro: {t['repro']}")
-    print(f"[gate] {'PASS' if not failures else 'FAIL'}" + "".join(f"\n  - {f}" for f in failures))
+    note = f" ({EMULATED_VERDICT_NOTE})" if merged.get("flashinfer_emulated") else ""
+    print(f"[gate] {'PASS' if not failures else 'FAIL'}{note}" + "".join(f"\n  - {f}" for f in failures))
     return EXIT_PASS if not failures else EXIT_FAIL
 
 

@@ -113,6 +113,9 @@ class Backend(abc.ABC):
 
     #: Short name shown in test ids and reports.
     name: str = "unnamed"
+    #: The hardware tier the backend needs (:mod:`conformance.tiers`): a test's tier is the stricter of its
+    #: case's and this one, e.g. every case run against a ``b200`` backend is a ``b200`` test, on that device.
+    tier: str = "cpu"
 
     def version(self) -> str:
         """Version string of the implementation (library version, commit...)."""

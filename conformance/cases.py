@@ -6,14 +6,15 @@ frozen dataclasses with these three parts and turn lists of them into pytest par
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import pytest
 
-from .tiers import TIERS
+from .tiers import TIERS, stricter_tier
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,17 @@ Expectation = WithinBound | Raises | Equals
 class Case(Protocol):
     id: str
     tier: str
+
+
+C = TypeVar("C")
+
+
+def case_for_backend(case: C, backend: Any) -> C:
+    """``case`` as run against ``backend``: on the stricter of the case's tier and the backend's ``tier``
+    (the tier marker of the test already says so; the case's device follows), same id and seed. A cpu case
+    run against a ``b200`` backend runs on that backend's device."""
+    tier = stricter_tier(case.tier, getattr(backend, "tier", "cpu"))
+    return case if tier == case.tier else dataclasses.replace(case, tier=tier)
 
 
 def as_params(cases: Iterable[Case], extra_marks: Sequence[pytest.MarkDecorator] = ()) -> list:

@@ -109,7 +109,8 @@ def check_within_error_bound(run: DenseRun, record: Callable[[ErrorFigures], Non
 
 
 def check_summary_figures(fig: ErrorFigures, run: DenseRun) -> None:
-    """FlashInfer's own acceptance (relative L2 < 2e-2, cosine > 0.999), looser than the bound: kept so a
+    """The acceptance of FlashInfer's dense W4A16 GEMM test (``tests/gemm/test_mm_bf16_fp4.py``,
+    ``_assert_close_to_reference``: relative L2 < 2e-2, cosine > 0.999), looser than the bound: kept so a
     report can say the backend also meets the upstream thresholds."""
     assert fig.rel_l2 < FLASHINFER_MAX_REL_L2 and fig.cosine > FLASHINFER_MIN_COSINE, (
         f"relative L2 {fig.rel_l2:.4g} (limit {FLASHINFER_MAX_REL_L2}) / cosine {fig.cosine:.6f} "

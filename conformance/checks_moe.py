@@ -123,8 +123,12 @@ def check_moe_within_bound(run: MoERun, record: Callable[[ErrorFigures], None] |
 
 
 def check_moe_summary_figures(fig: ErrorFigures, run: MoERun) -> None:
-    """FlashInfer's own acceptance (relative L2 < 2e-2, cosine > 0.999), looser than the bound: recorded,
-    and asserted so a report never shows a pass the library itself would reject."""
+    """Relative L2 < 2e-2 and cosine > 0.999: the acceptance of FlashInfer's *dense* W4A16 GEMM test
+    (``tests/gemm/test_mm_bf16_fp4.py``, ``_assert_close_to_reference``), applied here to the MoE output as a
+    summary threshold; FlashInfer's own MoE tests use a different, much looser criterion (``check_accuracy`` in
+    ``tests/moe/utils.py``: >= 97 % of elements within ``max(0.05, 1.5 std)`` absolute or 50 % relative of a
+    reference on the *unquantized* weights; see docs/moe.md). Looser than the bound at small sizes, it carries
+    the rejection of structural bugs at real sizes, where the worst-case bound exceeds ``|y|``."""
     if not (fig.rel_l2 < FLASHINFER_MAX_REL_L2 and fig.cosine > FLASHINFER_MIN_COSINE):
         raise _fail("moe_summary_figures", f"rel_l2 {fig.rel_l2:.3e} (< {FLASHINFER_MAX_REL_L2}), cosine "
                     f"{fig.cosine:.6f} (> {FLASHINFER_MIN_COSINE})", run)

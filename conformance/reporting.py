@@ -115,6 +115,12 @@ def _set_current(artifacts: Artifacts | None) -> None:
 
 
 # ------------------------------------------------------------------------------ test records
+#: The tier recorded for a ``b200`` test run under ``--flashinfer-emulated``: never counted as ``b200``.
+EMULATED_B200_TIER = "b200-emulated"
+EMULATED_VERDICT_NOTE = (
+    "EMULATED b200 tier (--flashinfer-emulated): FlashInfer's W4A16 entry points ran on "
+    "reference_impl.flashinfer_emulator; not a B200 result"
+)
 FAILING_OUTCOMES = ("failed", "error", "xpass_strict")
 #: outcome -> table column
 COLUMN_OF = {
@@ -178,8 +184,9 @@ def table_rows(tests: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Area x backend rows: counts per column, worst bound ratio, failing ids (areas in :data:`AREA_ORDER`)."""
     rows: dict[tuple[str, str], dict[str, Any]] = {}
     for t in tests:
-        row = rows.setdefault((t["area"], t["backend"]), {
-            "area": t["area"], "backend": t["backend"], "pass": 0, "fail": 0, "xfail": 0, "skip": 0,
+        backend = t["backend"] + (" (emulated)" if t.get("tier") == EMULATED_B200_TIER else "")
+        row = rows.setdefault((t["area"], backend), {
+            "area": t["area"], "backend": backend, "pass": 0, "fail": 0, "xfail": 0, "skip": 0,
             "ratios": [], "failing": [],
         })
         row[COLUMN_OF[t["outcome"]]] += 1
@@ -215,6 +222,13 @@ def merge_summaries(summaries: list[Mapping[str, Any]], skipped_tiers: Mapping[s
         "run": sorted({t for s in summaries for t in s["tiers"]["run"]}),
         "skipped": {**{t: r for s in summaries for t, r in s["tiers"]["skipped"].items()}, **skipped_tiers},
     }
+    emulated = sorted({t for s in summaries for t in s["tiers"].get("emulated", [])})
+    if emulated:
+        merged["tiers"]["emulated"] = emulated
+        for tier in emulated:
+            merged["tiers"]["skipped"].pop(tier, None)
+    if any(s.get("flashinfer_emulated") for s in summaries):
+        merged["flashinfer_emulated"] = True
     merged["verdict"] = "pass" if not gate_failures(merged) else "fail"
     return merged
 
@@ -262,16 +276,18 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
     skipped_tiers = "; ".join(
         f"{t} ({r})" for t, r in sorted(tiers["skipped"].items(), key=lambda kv: order.get(kv[0], len(order)))
     ) or "none"
+    run = [*tiers["run"], *(f"{t} (EMULATED, not a {t} result)" for t in tiers.get("emulated", []))]
     lines = [
         "# NVFP4 W4A16 conformance report",
         "",
         f"**Verdict: {'PASS' if not failures else 'FAIL'}**"
-        + ("" if not failures else f" ({len(failures)} gate failure{'s' * (len(failures) != 1)})"),
+        + ("" if not failures else f" ({len(failures)} gate failure{'s' * (len(failures) != 1)})")
+        + (f"; {EMULATED_VERDICT_NOTE}" if summary.get("flashinfer_emulated") else ""),
         "",
         f"- Suite version: {summary['suite_version']}",
         f"- Backend: `{summary['backend_spec']}`: {backends}",
         f"- Hardware: {summary['hardware']}",
-        f"- Tiers run: {', '.join(tiers['run']) or 'none'}",
+        f"- Tiers run: {', '.join(run) or 'none'}",
         f"- Tiers skipped: {skipped_tiers}",
         f"- Expectations: {summary.get('expectations') or 'none'}",
         *([f"- Rules engine: {', '.join(summary['rules']['engines'])}; rules profile: "

@@ -14,11 +14,12 @@ with the environment variable ``NVFP4_SNAPSHOT_DIR`` (used by the self-tests to 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,6 +130,27 @@ def _tensor_from_record(record: dict) -> torch.Tensor:
     if dtype == torch.bool:
         return data.to(torch.bool).reshape(record["shape"])
     return data.view(dtype).reshape(record["shape"])
+
+
+def load_snapshot(path: Path) -> dict[str, Any]:
+    """The entries of a stored snapshot file: tensors (exactly as stored), strings and ints. For tests that
+    judge a backend against golden data without re-creating it (``conformance/test_dense_golden.py``)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"golden snapshot {path} is missing (generate it with --snapshot-update)") from exc
+    if data.get("format") != SNAPSHOT_FORMAT:
+        raise ValueError(f"{path}: snapshot format {data.get('format')!r}, expected {SNAPSHOT_FORMAT!r}")
+    return {name: e["value"] if "value" in e else _tensor_from_record(e) for name, e in data["entries"].items()}
+
+
+def tensors_sha256(tensors: Iterable[torch.Tensor | None]) -> str:
+    """SHA-256 of the tensors' bytes in order (``None`` skipped): identifies a case's inputs in a snapshot."""
+    h = hashlib.sha256()
+    for t in tensors:
+        if t is not None:
+            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 # ----------------------------------------------------------------------------------------- comparison

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conformance.adapter import Backend
-from conformance.cases import as_params
+from conformance.cases import as_params, case_for_backend
 from conformance.checks_dense import (
     check_deterministic,
     check_nonfinite_policy,
@@ -18,6 +18,7 @@ from conformance.dense_cases import DENSE_CASES, NONFINITE_CASES, DenseCase
 
 
 def _run(backend: Backend, case: DenseCase):
+    case = case_for_backend(case, backend)  # on the backend's tier's device (a b200 backend: the GPU)
     reason = backend.skip_reason(case.info())
     if reason:
         pytest.skip(reason)

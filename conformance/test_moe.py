@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from conformance.adapter import Backend
-from conformance.cases import as_params
+from conformance.cases import as_params, case_for_backend
 from conformance.checks_moe import (
     check_moe_deterministic,
     check_moe_ep_sum,
@@ -27,6 +27,7 @@ SCALE_CASES = [
 
 
 def _run(backend: Backend, case: MoECase):
+    case = case_for_backend(case, backend)  # on the backend's tier's device (a b200 backend: the GPU)
     reason = backend.skip_reason(case.info())
     if reason:
         pytest.skip(reason)

@@ -2,9 +2,16 @@
 
 Tiers are pytest markers: ``cpu`` (always), ``cuda`` (any CUDA GPU), ``sm90`` (compute capability 9.0),
 ``b200`` (10.0 or 10.3), ``multi_gpu`` (2+ CUDA GPUs), ``b200_4gpu`` (4+ GPUs of capability 10.0/10.3).
+
+A test parametrized by a backend needs the stricter of its case's tier and the backend's
+(:func:`stricter_tier`): the FlashInfer backends need ``b200``, so every case run against them is a ``b200`` test.
+``b200`` can be *emulated* (``pytest --flashinfer-emulated``, :func:`set_b200_emulation`): FlashInfer's entry
+points are then the emulator's and run on this host's device (:func:`device_for_tier`); such runs are
+rehearsals of the b200 code path, never B200 results.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -18,6 +25,50 @@ TIER_DESCRIPTIONS = {
     "b200_4gpu": "needs 4 SM100/SM103 GPUs",
 }
 B200_CAPABILITIES = ((10, 0), (10, 3))
+#: What each tier implies (a machine offering the key offers every tier in its set).
+_IMPLIES = {
+    "cpu": frozenset(),
+    "cuda": frozenset({"cpu"}),
+    "sm90": frozenset({"cpu", "cuda"}),
+    "b200": frozenset({"cpu", "cuda"}),
+    "multi_gpu": frozenset({"cpu", "cuda"}),
+    "b200_4gpu": frozenset({"cpu", "cuda", "b200", "multi_gpu"}),
+}
+if set(_IMPLIES) != set(TIERS):  # a tier added to TIERS must say what it implies (stricter_tier needs it)
+    raise RuntimeError(f"conformance.tiers: _IMPLIES lists {sorted(_IMPLIES)}, TIERS has {sorted(TIERS)}")
+#: ``1`` in the environment has the same effect as :func:`set_b200_emulation` (``--flashinfer-emulated``).
+B200_EMULATION_ENV_VAR = "NVFP4_FLASHINFER_EMULATED"
+_b200_emulation: list[bool] = []
+
+
+class NoTierOffersBoth(ValueError):
+    """Two tiers no machine offers together (``sm90`` + ``b200``)."""
+
+
+def stricter_tier(a: str, b: str) -> str:
+    """The least demanding tier that offers both ``a`` and ``b`` (``cpu`` + ``b200`` -> ``b200``, ``cuda`` +
+    ``b200`` -> ``b200``, ``multi_gpu`` + ``b200`` -> ``b200_4gpu``); :class:`NoTierOffersBoth` when none does
+    (``sm90`` + ``b200``: no GPU is both), ``ValueError`` for an unknown tier."""
+    for tier in (a, b):
+        if tier not in _IMPLIES:
+            raise ValueError(f"unknown hardware tier {tier!r}; known: {', '.join(TIERS)}")
+    both = [t for t in TIERS if {a, b} <= _IMPLIES[t] | {t}]
+    least = [t for t in both if not any(o != t and o in _IMPLIES[t] for o in both)]
+    if len(least) != 1:
+        raise NoTierOffersBoth(f"no hardware tier offers both {a!r} and {b!r}")
+    return least[0]
+
+
+def set_b200_emulation(enabled: bool) -> None:
+    """Emulate the ``b200`` tier in this process (the ``--flashinfer-emulated`` option calls this)."""
+    _b200_emulation[:] = [bool(enabled)]
+
+
+def b200_emulated() -> bool:
+    """Whether the ``b200`` tier is emulated: :func:`set_b200_emulation`, else ``$NVFP4_FLASHINFER_EMULATED``."""
+    if _b200_emulation:
+        return _b200_emulation[0]
+    return os.environ.get(B200_EMULATION_ENV_VAR, "") == "1"
 
 
 @dataclass(frozen=True)
@@ -79,5 +130,12 @@ def tier_skip_reason(tier: str, hw: Hardware) -> str | None:
 
 
 def device_for_tier(tier: str) -> str:
-    """The torch device a case of ``tier`` runs on."""
-    return "cpu" if tier == "cpu" else "cuda"
+    """The torch device a case of ``tier`` runs on: ``b200`` under emulation runs on this host's device
+    (CUDA when there is one, else the CPU), every other GPU tier on CUDA."""
+    if tier == "cpu":
+        return "cpu"
+    if tier == "b200" and b200_emulated():
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda"

@@ -86,9 +86,11 @@ def test_outcomes_under_xdist(probe):
     assert "known rounding bug (https://example.com/issues/1)" in tests["test_dense.py::test_known_bug"]["message"]
     assert tests["test_dense.py::test_fixed_bug"]["outcome"] == "xpass_strict"  # fixed: the entry must go
     assert tests["test_dense.py::test_new_bug"]["outcome"] == "failed"
-    # the repro carries the suite's options (the expectations file decides xfail vs fail), not -n
+    # the repro carries the suite's options (the expectations file decides xfail vs fail) and the backend spec
+    # in effect (here the default: reference and FlashInfer), not -n
     assert tests["test_dense.py::test_new_bug"]["repro"] == (
-        "python -m pytest test_dense.py::test_new_bug -p no:cacheprovider --expectations bad.toml --backend reference")
+        "python -m pytest test_dense.py::test_new_bug -p no:cacheprovider --expectations bad.toml "
+        "--backend reference,flashinfer")
     assert tests["test_moe.py::test_moe_case"]["outcome"] == "skipped"
     assert tests["test_moe.py::test_moe_case"]["message"] == "unsupported: no fused MoE"
     stale = tests["bad.toml::stale[test_dense.py::test_renamed]"]

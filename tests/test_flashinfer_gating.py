@@ -1,6 +1,8 @@
-"""The flashinfer backend's gating, on CPU: FlashInfer's own capability query decides (SM90 vs SM100...),
-a missing or too old FlashInfer skips with a reason naming the required version, and the adapter's plumbing
-(swizzle, alpha, AWQ, bias, leading dims) is right when driven through an emulation of FlashInfer's API."""
+"""The flashinfer backend's gating, on CPU: FlashInfer's own capability query decides (SM90 vs SM100...), the
+preconditions FlashInfer's own tests check (cuDNN >= 9.23.1 for ``cudnn``, the CuTe DSL for ``cute-dsl``) skip
+with what was found and what is needed, a missing or too old FlashInfer skips with a reason naming the required
+version, and the adapter's plumbing (swizzle, alpha, AWQ, bias, leading dims) is right when driven through an
+emulation of FlashInfer's API."""
 from __future__ import annotations
 
 import sys
@@ -19,6 +21,13 @@ from conformance.backends.flashinfer import (
     capability_skip_reason,
     shape_skip_reason,
 )
+from conformance.backends.flashinfer_platform import (
+    CUDNN_BF16_FP4_MIN_BACKEND_VERSION,
+    EmulatedFlashInfer,
+    InstalledFlashInfer,
+    cudnn_skip_reason,
+)
+from conformance.tiers import Gpu
 from conformance.checks_dense import failing_checks
 from conformance.dense_cases import CPU_CASES, DENSE_CASES
 
@@ -40,17 +49,20 @@ GATING = [
 CUDA_CASE = next(c for c in DENSE_CASES if c.tier == "cuda")
 
 
-@pytest.fixture
-def fake_gpu(monkeypatch):
-    """Make torch report one GPU of the given (capability, name), without touching CUDA."""
+class FakeMachine(InstalledFlashInfer):
+    """The installed FlashInfer on a made-up GPU with a made-up cuDNN and CuTe DSL (nothing touches CUDA)."""
 
-    def install(gpu):
-        capability, name = gpu
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    def __init__(self, gpu, cudnn=("1.16.0", 92400), cute_dsl=None):
+        self._gpu, self._cudnn, self._cute_dsl = Gpu(gpu[1], gpu[0]), cudnn, cute_dsl
 
-    return install
+    def gpu(self, device):
+        return self._gpu
+
+    def cudnn(self):
+        return (*self._cudnn, CUDNN_BF16_FP4_MIN_BACKEND_VERSION, None)
+
+    def cute_dsl_problem(self, capability):
+        return self._cute_dsl
 
 
 def test_one_backend_per_flashinfer_gemm_backend():
@@ -62,12 +74,12 @@ def test_one_backend_per_flashinfer_gemm_backend():
 
 
 @pytest.mark.parametrize("gemm_backend,gpu,expected", GATING, ids=[f"{g[0]}-{g[1][1]}" for g in GATING])
-def test_capability_gating_follows_flashinfer(gemm_backend, gpu, expected, fake_gpu):
+def test_capability_gating_follows_flashinfer(gemm_backend, gpu, expected):
     if flashinfer.__version__ != "0.7.4":
         pytest.skip(f"table written for FlashInfer 0.7.4, installed {flashinfer.__version__}")
     assert capability_skip_reason(flashinfer.mm_bf16_fp4, gemm_backend, *gpu) == expected
-    fake_gpu(gpu)
-    assert FlashInferBackend(gemm_backend, flashinfer).skip_reason(CUDA_CASE.info()) == expected
+    backend = FlashInferBackend(gemm_backend, flashinfer, platform=FakeMachine(gpu))
+    assert backend.skip_reason(CUDA_CASE.info()) == expected
 
 
 @pytest.mark.parametrize("cc", [80, 90, 100, 103, 107, 110, 120, 121])
@@ -79,21 +91,78 @@ def test_verdict_is_flashinfers_own_query(cc):
 
 
 def test_cpu_case_and_missing_cuda_are_precise_reasons(monkeypatch):
-    backend = FlashInferBackend("cute-dsl", flashinfer)
-    assert backend.skip_reason(CPU_CASES[0].info()) == "FlashInfer mm_bf16_fp4 runs on CUDA GPUs only; this case runs on cpu"
+    backend = FlashInferBackend("cute-dsl", flashinfer, platform=InstalledFlashInfer())
+    assert backend.skip_reason(CPU_CASES[0].info()) == "FlashInfer runs on CUDA GPUs only; this case runs on cpu"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert backend.skip_reason(CUDA_CASE.info()) == (
-        "FlashInfer mm_bf16_fp4 needs a CUDA GPU; torch.cuda.is_available() is False"
-    )
+    assert backend.skip_reason(CUDA_CASE.info()) == "FlashInfer needs a CUDA GPU; torch.cuda.is_available() is False"
 
 
-def test_blackwell_tiled_declines_n_not_multiple_of_64(fake_gpu):
-    fake_gpu(B200)
+# (frontend, backend version, expected reason fragment or None): FlashInfer 0.7.4 gates cudnn at 92301 (9.23.1).
+CUDNN = [
+    (("1.16.0", 92301), None),
+    (("1.16.0", 92400), None),
+    (("1.16.0", 92300), "found backend 9.23.0 (92300)"),
+    (("1.14.0", 91002), "found backend 9.10.2 (91002)"),
+    (("1.12.0", 92400), "found frontend 1.12.0"),
+]
+
+
+@pytest.mark.parametrize("cudnn,expected", CUDNN, ids=[f"{c[0][0]}-{c[0][1]}" for c in CUDNN])
+def test_cudnn_backend_gated_like_flashinfers_own_tests(cudnn, expected):
+    """tests/gemm/test_mm_bf16_fp4.py skips cudnn below _CUDNN_BF16_FP4_MIN_BACKEND_VERSION; so does the suite,
+    naming what was found and what is needed. The other backends do not depend on cuDNN."""
+    reason = FlashInferBackend("cudnn", flashinfer, platform=FakeMachine(B200, cudnn=cudnn)).skip_reason(CUDA_CASE.info())
+    if expected is None:
+        assert reason is None
+    else:
+        assert expected in reason and "needs cuDNN backend >= 9.23.1 (92301)" in reason, reason
+    other = FlashInferBackend("blackwell-native", flashinfer, platform=FakeMachine(B200, cudnn=cudnn))
+    assert other.skip_reason(CUDA_CASE.info()) is None
+
+
+def test_cudnn_minimum_is_flashinfers_own_constant():
+    from flashinfer.gemm import gemm_bf16_fp4
+
+    assert InstalledFlashInfer().cudnn()[2] == gemm_bf16_fp4._CUDNN_BF16_FP4_MIN_BACKEND_VERSION
+    if flashinfer.__version__ == "0.7.4":
+        assert CUDNN_BF16_FP4_MIN_BACKEND_VERSION == gemm_bf16_fp4._CUDNN_BF16_FP4_MIN_BACKEND_VERSION == 92301
+
+
+def test_missing_cudnn_and_cute_dsl_are_skips_with_reasons():
+    """On this machine neither the cuDNN frontend nor the CuTe DSL is installed: both are reasons, not errors."""
+    frontend, version, minimum, unavailable = InstalledFlashInfer().cudnn()
+    reason = cudnn_skip_reason(frontend, version, minimum, unavailable)
+    assert reason is None or "needs cuDNN backend >= 9.23.1" in reason
+    missing_dsl = FakeMachine(B200, cute_dsl="needs the CuTe DSL (nvidia-cutlass-dsl): is_cute_dsl_available() is False")
+    reason = FlashInferBackend("cute-dsl", flashinfer, platform=missing_dsl).skip_reason(CUDA_CASE.info())
+    assert reason == "flashinfer mm_bf16_fp4 backend 'cute-dsl' needs the CuTe DSL (nvidia-cutlass-dsl): is_cute_dsl_available() is False"
+
+
+def test_blackwell_tiled_declines_n_not_multiple_of_64():
     info = CaseInfo("dense", torch.device("cuda"), {"m": 7, "n": 200, "k": 80})
-    assert FlashInferBackend("blackwell-tiled", flashinfer).skip_reason(info) == (
+    assert FlashInferBackend("blackwell-tiled", flashinfer, platform=FakeMachine(B200)).skip_reason(info) == (
         "blackwell-tiled requires N % 64 == 0 (FlashInfer 0.7.4); case has N=200, K=80"
     )
-    assert FlashInferBackend("blackwell-native", flashinfer).skip_reason(info) is None
+    assert FlashInferBackend("blackwell-native", flashinfer, platform=FakeMachine(B200)).skip_reason(info) is None
+
+
+def test_emulated_platform_answers_sm100_and_runs_the_same_gates():
+    """``--flashinfer-emulated``: the emulator's mm_bf16_fp4 answers FlashInfer's queries, the capability is
+    SM100, cuDNN and the CuTe DSL are present, and the backends are named as on a B200 (same test ids)."""
+    import reference_impl.flashinfer_emulator as emulator
+
+    platform = EmulatedFlashInfer()
+    module, reason = platform.load()
+    assert module is emulator and reason is None
+    names = fi_backend.offered_gemm_backends(module.mm_bf16_fp4)
+    assert names == KNOWN_GEMM_BACKENDS
+    cpu_case = CPU_CASES[0].info()
+    verdicts = {n: FlashInferBackend(n, module, platform=platform).skip_reason(cpu_case) for n in names}
+    assert verdicts["cute-dsl-native"] == (
+        "flashinfer mm_bf16_fp4 backend 'cute-dsl-native' does not support SM100 (emulated by flashinfer_emulator on cpu)"
+    )
+    assert verdicts["cudnn"] is None and verdicts["cute-dsl"] is None and verdicts["blackwell-native"] is None
+    assert "not a B200 result" in FlashInferBackend("cudnn", module, platform=platform).version()
 
 
 @pytest.mark.parametrize("version", ["0.6.17", "0.5.3", "0.6.2"])
@@ -124,8 +193,9 @@ def test_missing_flashinfer_skips_naming_the_required_version(monkeypatch):
 
 def test_moe_is_offered_once_and_delegated():
     info = CaseInfo("moe", torch.device("cpu"), {"tokens": 4, "experts": 2, "top_k": 1, "hidden": 128, "intermediate": 128})
-    assert "exercised once, under flashinfer-cute-dsl" in FlashInferBackend("cudnn", flashinfer).skip_reason(info)
-    reason = FlashInferBackend("cute-dsl", flashinfer).skip_reason(info)
+    platform = InstalledFlashInfer()
+    assert "exercised once, under flashinfer-cute-dsl" in FlashInferBackend("cudnn", flashinfer, platform=platform).skip_reason(info)
+    reason = FlashInferBackend("cute-dsl", flashinfer, platform=platform).skip_reason(info)
     assert reason and "CUDA" in reason  # flashinfer_moe's own reason on a CPU case
 
 

@@ -350,25 +350,38 @@ def test_gate_up_fold_is_exact_or_refused() -> None:
 
 
 def test_flashinfer_moe_skip_reasons_on_this_machine() -> None:
+    from conformance.backends.flashinfer_platform import InstalledFlashInfer
+
     info = CASES["t128_e8_k2_ep2"].info()
-    reason = fim.flashinfer_moe_skip_reason(info)
-    assert reason and "CUDA device" in reason and "SM100" in reason
+    reason = fim.flashinfer_moe_skip_reason(info, platform=InstalledFlashInfer())
+    assert reason and "CUDA GPUs only" in reason and "SM100" in reason
     odd = CaseInfo("moe", torch.device("cuda"), {"intermediate": 96}, frozenset({"swiglu"}))
     assert "intermediate % 64" in fim.flashinfer_moe_skip_reason(odd)
     with pytest.raises(RuntimeError, match="CUDA"):
-        fim.prepare_moe(build_global_experts(SMALL), torch.device("cpu"))
+        fim.prepare_moe(build_global_experts(SMALL), torch.device("cpu"), platform=InstalledFlashInfer())
 
 
 @pytest.mark.parametrize("cap, expect", [((9, 0), "found SM90 (NVIDIA H200)"), ((10, 0), None), ((12, 0), "found SM120")])
-def test_flashinfer_moe_capability_gate(monkeypatch, cap, expect) -> None:
-    """The capability branch, on CPU: a pretend GPU and the emulated wrapper (FlashInfer's own
-    ``is_compute_capability_supported`` query is used when the real wrapper imports)."""
+def test_flashinfer_moe_capability_gate(cap, expect) -> None:
+    """The capability branch, on CPU: a made-up GPU and the emulated wrapper, whose ``__init__`` carries
+    FlashInfer's ``is_compute_capability_supported`` query like the real one."""
+    from conformance.backends.flashinfer_platform import InstalledFlashInfer
+    from conformance.tiers import Gpu
     from reference_impl import flashinfer_emulator as emu
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
-    monkeypatch.setattr(fim, "_import_wrapper", lambda: (emu.CuteDslMoEWrapper, emu.ActivationType))
+    class Machine(InstalledFlashInfer):
+        def gpu(self, device):
+            return Gpu("NVIDIA H200", cap)
+
+        def load(self):
+            return emu, None
+
+        def moe_wrapper(self):
+            return emu.CuteDslMoEWrapper, emu.ActivationType
+
+        def cute_dsl_problem(self, capability):
+            return None
+
     info = CaseInfo("moe", torch.device("cuda"), {"intermediate": 128}, frozenset({"swiglu"}))
-    reason = fim.flashinfer_moe_skip_reason(info)
+    reason = fim.flashinfer_moe_skip_reason(info, platform=Machine())
     assert reason is None if expect is None else expect in reason

@@ -291,3 +291,42 @@ def test_tier_plan_on_a_cpu_machine_counts_every_gpu_test_as_skipped(monkeypatch
     runs, absent = gate.plan_runs("cpu")
     assert runs == [("cpu", None, True)] and set(absent) == {"cuda", "sm90", "b200", "multi_gpu", "b200_4gpu"}
     assert gate.plan_runs("all") == (runs, absent)
+
+
+def test_emulated_b200_runs_are_marked_and_never_counted_as_b200():
+    """--flashinfer-emulated: the verdict line says EMULATED, the tier is listed as emulated (not run, not
+    skipped), the rows carry "(emulated)", and a merge keeps all of it."""
+    from conformance.reporting import EMULATED_B200_TIER, EMULATED_VERDICT_NOTE
+
+    emulated = _t("t/test_dense.py::a[flashinfer-cudnn-x]", "passed", backend="flashinfer-cudnn", ratio=0.2)
+    emulated["tier"] = EMULATED_B200_TIER
+    run = _summary([emulated])
+    run["tiers"] = {"run": ["cpu"], "skipped": {}, "emulated": ["b200"]}
+    run["flashinfer_emulated"] = True
+    md = render_markdown(run)
+    assert f"**Verdict: PASS**; {EMULATED_VERDICT_NOTE}" in md
+    assert "- Tiers run: cpu, b200 (EMULATED, not a b200 result)" in md
+    assert "| dense | flashinfer-cudnn (emulated) | 1 | 0 | 0 | 0 | 0.2 |  |" in md
+    gpu = _summary([_t("t/test_dense.py::b", "passed")])
+    gpu["tiers"] = {"run": ["cuda"], "skipped": {"b200": "needs SM100/SM103"}}
+    merged = merge_summaries([run, gpu], {"b200": "needs SM100/SM103, found SM90 (NVIDIA H200)"})
+    assert merged["flashinfer_emulated"] is True and merged["tiers"]["emulated"] == ["b200"]
+    assert "b200" not in merged["tiers"]["skipped"] and "b200" not in merged["tiers"]["run"]
+    assert EMULATED_VERDICT_NOTE in render_markdown(merged)
+
+
+def test_tier_plan_with_the_b200_tier_emulated(monkeypatch):
+    """With a GPU the emulated b200 tier gets its own serial run on it; without one it stays in the parallel
+    CPU run (and --tier b200 runs it in parallel there); it is never reported as absent."""
+    from conformance.tiers import Gpu, Hardware
+
+    gate = _gate_module()
+    monkeypatch.setattr(gate, "detect_hardware", lambda: Hardware((Gpu("NVIDIA H200", (9, 0)),)))
+    runs, absent = gate.plan_runs("all", emulated=True)
+    assert runs == [("cpu", "not (cuda or sm90 or b200)", True), ("cuda", "cuda", False), ("sm90", "sm90", False),
+                    ("b200", "b200", False)]
+    assert "b200" not in absent and gate.plan_runs("b200", emulated=True) == ([("b200", "b200", False)], {})
+    monkeypatch.setattr(gate, "detect_hardware", lambda: Hardware())
+    runs, absent = gate.plan_runs("all", emulated=True)
+    assert runs == [("cpu", None, True)] and "b200" not in absent
+    assert gate.plan_runs("b200", emulated=True) == ([("b200", "b200", True)], {})

@@ -1,7 +1,9 @@
-"""Tier detection and skip reasons, on made-up hardware."""
+"""Tier detection and skip reasons, on made-up hardware; the stricter-tier rule and b200 emulation."""
 import pytest
+import torch
 
-from conformance.tiers import Gpu, Hardware, tier_skip_reason
+from conformance import tiers
+from conformance.tiers import Gpu, Hardware, stricter_tier, tier_skip_reason
 
 H200 = Gpu("NVIDIA H200", (9, 0))
 B200 = Gpu("NVIDIA B200", (10, 0))
@@ -32,3 +34,51 @@ def test_tier_skip_reason(tier, hw, expected):
 def test_unknown_tier_is_an_error():
     with pytest.raises(ValueError, match="unknown hardware tier 'h100'"):
         tier_skip_reason("h100", Hardware())
+
+
+STRICTER = [
+    ("cpu", "cpu", "cpu"), ("cpu", "b200", "b200"), ("cuda", "b200", "b200"), ("b200", "cuda", "b200"),
+    ("cpu", "cuda", "cuda"), ("multi_gpu", "b200", "b200_4gpu"), ("b200_4gpu", "b200", "b200_4gpu"),
+    ("sm90", "cuda", "sm90"),
+]
+
+
+@pytest.mark.parametrize("a,b,expected", STRICTER, ids=[f"{a}+{b}" for a, b, _ in STRICTER])
+def test_stricter_tier(a, b, expected):
+    """A test's tier is the stricter of its case's and its backend's: the least demanding tier offering both."""
+    assert stricter_tier(a, b) == expected == stricter_tier(b, a)
+
+
+@pytest.mark.parametrize("a,b", [("sm90", "b200"), ("sm90", "multi_gpu")])
+def test_no_tier_offers_both_is_an_error(a, b):
+    with pytest.raises(ValueError, match=f"no hardware tier offers both '{a}' and '{b}'"):
+        stricter_tier(a, b)
+
+
+def test_b200_emulation_runs_on_this_hosts_device(monkeypatch):
+    """--flashinfer-emulated: the b200 tier's cases run on CUDA when there is one, else on the CPU; nothing else
+    changes device. Without emulation b200 cases always target CUDA."""
+    monkeypatch.setattr(tiers, "_b200_emulation", [])
+    monkeypatch.delenv(tiers.B200_EMULATION_ENV_VAR, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not tiers.b200_emulated() and tiers.device_for_tier("b200") == "cuda"
+    tiers.set_b200_emulation(True)
+    assert tiers.b200_emulated() and tiers.device_for_tier("b200") == "cpu"
+    assert tiers.device_for_tier("cuda") == "cuda" and tiers.device_for_tier("cpu") == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert tiers.device_for_tier("b200") == "cuda"
+    monkeypatch.setattr(tiers, "_b200_emulation", [])
+    monkeypatch.setenv(tiers.B200_EMULATION_ENV_VAR, "1")
+    assert tiers.b200_emulated()
+
+
+def test_flashinfer_cases_take_the_b200_tier_and_keep_their_ids():
+    from conformance.backends.flashinfer import FlashInferBackend
+    from conformance.backends.reference import ReferenceBackend
+    from conformance.cases import case_for_backend
+    from conformance.dense_cases import CPU_CASES
+
+    case = CPU_CASES[0]
+    assert case_for_backend(case, ReferenceBackend()) is case
+    moved = case_for_backend(case, FlashInferBackend(None, unavailable="not here"))
+    assert (moved.tier, moved.id, moved.seed) == ("b200", case.id, case.seed)

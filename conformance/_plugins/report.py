@@ -19,7 +19,7 @@ import torch
 from .. import __version__, reporting
 from ..backends import backend_spec_from_env, load_backends
 from ..reporting import Artifacts, TestRecord, area_of, gate_failures, render_markdown
-from ..tiers import TIERS, detect_hardware, tier_skip_reason
+from ..tiers import TIERS, b200_emulated, detect_hardware, tier_skip_reason
 
 _ARTIFACTS_KEY = pytest.StashKey[Artifacts]()
 _STATE_KEY = pytest.StashKey["_RunState"]()
@@ -84,7 +84,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 # ------------------------------------------------------------------------ worker / in-process side
 def _tier_of(item: pytest.Item) -> str:
-    return next((t for t in TIERS if item.get_closest_marker(t) is not None), DEFAULT_TIER)
+    tier = next((t for t in TIERS if item.get_closest_marker(t) is not None), DEFAULT_TIER)
+    return reporting.EMULATED_B200_TIER if tier == "b200" and b200_emulated() else tier
 
 
 def _backend_object(item: pytest.Item) -> Any:
@@ -321,7 +322,9 @@ class _RunState:
             "backend_spec": backend_spec_from_env(self.config.getoption("--backend")),
             "backends": self.backends(),
             "hardware": hw.describe(),
-            "tiers": {"run": tiers_run, "skipped": tiers_skipped},
+            "tiers": {"run": tiers_run, "skipped": tiers_skipped,
+                      **({"emulated": ["b200"]} if reporting.EMULATED_B200_TIER in used else {})},
+            "flashinfer_emulated": b200_emulated(),
             "expectations": self.config.getoption("--expectations", None),
             "command": ["python", "-m", "pytest", *self.config.invocation_params.args],
             "repro_cwd": str(self.config.invocation_params.dir),
@@ -403,7 +406,8 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     out = config.getoption("--report-dir")
     tr = terminalreporter
     tr.section("nvfp4 conformance report")
-    tr.line(f"verdict: {summary['verdict'].upper()}; reports in {out}: junit.xml, summary.json, report.md")
+    note = f" ({reporting.EMULATED_VERDICT_NOTE})" if summary.get("flashinfer_emulated") else ""
+    tr.line(f"verdict: {summary['verdict'].upper()}{note}; reports in {out}: junit.xml, summary.json, report.md")
     for t in summary["tests"]:
         if t["outcome"] in reporting.FAILING_OUTCOMES and t["repro"]:
             tr.line(f"{t['outcome']}: {t['nodeid']}\n    repro: {t['repro']}")

@@ -7,11 +7,15 @@ W4A16 mode): block scales 128x4-swizzled, ``alpha = max(weight_scale_2)`` as a `
 W4A4 ``input_scale`` is never folded in), ``x * pre_quant_scale`` in bf16 before the GEMM, the GEMM on the
 activations flattened to 2-D, the bias added to the bf16 output.
 
-Gating uses FlashInfer's own capability query (``mm_bf16_fp4.is_backend_supported(backend, cc)``).
-FlashInfer missing, unimportable or older than :data:`REQUIRED_VERSION` does not abort the run: one
-backend named ``flashinfer`` is returned whose every case skips with the reason (naming the version).
-Fused MoE is delegated to :mod:`conformance.backends.flashinfer_moe` and offered by one instance only
-(:data:`MOE_GEMM_BACKEND`), since it does not depend on the dense GEMM backend.
+The backends need the ``b200`` tier (:attr:`FlashInferBackend.tier`): every case run against them is a
+``b200`` test, on the platform's device. Gating is FlashInfer's own: the capability query
+(``mm_bf16_fp4.is_backend_supported(backend, cc)``), then the preconditions its tests check (cuDNN version,
+CuTe DSL availability: :mod:`conformance.backends.flashinfer_platform`), each a skip naming what was found and
+what is needed. FlashInfer missing, unimportable or older than :data:`REQUIRED_VERSION` does not abort the run:
+one backend named ``flashinfer`` is returned whose every case skips with the reason (naming the version).
+Under ``--flashinfer-emulated`` the same backends drive the emulator (:class:`~conformance.backends.
+flashinfer_platform.EmulatedFlashInfer`). Fused MoE is delegated to :mod:`conformance.backends.flashinfer_moe`
+and offered by one instance only (:data:`MOE_GEMM_BACKEND`), since it does not depend on the dense GEMM backend.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from reference_impl.dense import dense_alpha
 from reference_impl.nvfp4 import swizzle_128x4
 
 from ..adapter import Backend, CaseInfo, DenseLayer, MoEExperts
+from .flashinfer_platform import FlashInferPlatform, cudnn_skip_reason, current_platform
 
 #: The first FlashInfer release with ``prepare_bf16_fp4_weights`` / ``mm_bf16_fp4``.
 REQUIRED_VERSION = "0.6.18"
@@ -74,8 +79,8 @@ def offered_gemm_backends(mm_bf16_fp4: Any) -> tuple[str, ...]:
     """The ``backend`` values the installed ``mm_bf16_fp4`` accepts: the ``Literal`` of its signature,
     filtered by FlashInfer's own ``has_backend`` (the 0.7.4 list if the annotation cannot be read)."""
     try:
-        names = typing.get_args(inspect.signature(mm_bf16_fp4).parameters["backend"].annotation)
-    except (KeyError, TypeError, ValueError):
+        names = typing.get_args(inspect.signature(mm_bf16_fp4, eval_str=True).parameters["backend"].annotation)
+    except (KeyError, TypeError, ValueError, NameError):
         names = ()
     names = tuple(n for n in names if isinstance(n, str)) or KNOWN_GEMM_BACKENDS
     has = getattr(mm_bf16_fp4, "has_backend", None)
@@ -88,6 +93,17 @@ def capability_skip_reason(mm_bf16_fp4: Any, gemm_backend: str, capability: tupl
     if mm_bf16_fp4.is_backend_supported(gemm_backend, cc):
         return None
     return f"flashinfer mm_bf16_fp4 backend '{gemm_backend}' does not support SM{cc} ({gpu})"
+
+
+def precondition_skip_reason(gemm_backend: str, platform: FlashInferPlatform) -> str | None:
+    """What ``gemm_backend`` needs besides the capability (cuDNN for ``cudnn``, the CuTe DSL for ``cute-dsl``),
+    as a skip reason naming what was found; ``None`` when it is there."""
+    if gemm_backend == "cudnn":
+        return cudnn_skip_reason(*platform.cudnn())
+    if gemm_backend == "cute-dsl":
+        problem = platform.cute_dsl_problem(None)
+        return f"flashinfer mm_bf16_fp4 backend 'cute-dsl' {problem}" if problem else None
+    return None
 
 
 def shape_skip_reason(gemm_backend: str, n: int, k: int) -> str | None:
@@ -110,37 +126,38 @@ class PreparedDense:
 
 class FlashInferBackend(Backend):
     """One FlashInfer ``mm_bf16_fp4`` GEMM backend (``gemm_backend``), or, with ``unavailable`` set, the
-    placeholder that skips every case with that reason. ``module`` defaults to the installed ``flashinfer``
-    (the self-tests pass an emulation of its API to exercise the plumbing on CPU)."""
+    placeholder that skips every case with that reason. ``module`` is the FlashInfer API (the installed
+    ``flashinfer``, or the emulator under ``--flashinfer-emulated``); ``platform`` answers the gating questions
+    (default: :func:`~conformance.backends.flashinfer_platform.current_platform`)."""
 
-    def __init__(self, gemm_backend: str | None, module: ModuleType | None = None, unavailable: str | None = None):
+    tier = "b200"
+
+    def __init__(self, gemm_backend: str | None, module: ModuleType | None = None, unavailable: str | None = None,
+                 platform: FlashInferPlatform | None = None):
         self.gemm_backend = gemm_backend
         self.module = module
         self.unavailable = unavailable
+        self.platform = platform or current_platform()
         self.name = f"flashinfer-{gemm_backend}" if gemm_backend else "flashinfer"
 
     def version(self) -> str:
         if self.module is None:
             return "unavailable"
-        return f"flashinfer {getattr(self.module, '__version__', 'unknown')}, gemm backend {self.gemm_backend}"
+        return f"{self.platform.describe(self.module)}, gemm backend {self.gemm_backend}"
 
     def skip_reason(self, case: CaseInfo) -> str | None:
         if self.unavailable:
             return self.unavailable
         if case.kind == "moe":
             return self._moe_skip_reason(case)
-        device = torch.device(case.device)
-        if device.type != "cuda":
-            return f"FlashInfer mm_bf16_fp4 runs on CUDA GPUs only; this case runs on {device.type}"
-        if not torch.cuda.is_available():
-            return "FlashInfer mm_bf16_fp4 needs a CUDA GPU; torch.cuda.is_available() is False"
-        reason = capability_skip_reason(
-            self.module.mm_bf16_fp4,
-            self.gemm_backend,
-            torch.cuda.get_device_capability(device),
-            torch.cuda.get_device_name(device),
+        gpu = self.platform.gpu(torch.device(case.device))
+        if isinstance(gpu, str):
+            return gpu
+        return (
+            capability_skip_reason(self.module.mm_bf16_fp4, self.gemm_backend, gpu.capability, gpu.name)
+            or precondition_skip_reason(self.gemm_backend, self.platform)
+            or shape_skip_reason(self.gemm_backend, case.shape["n"], case.shape["k"])
         )
-        return reason or shape_skip_reason(self.gemm_backend, case.shape["n"], case.shape["k"])
 
     def prepare_dense(self, layer: DenseLayer, device: torch.device) -> PreparedDense:
         self._require_available()
@@ -176,12 +193,11 @@ class FlashInferBackend(Backend):
     def _moe_skip_reason(self, case: CaseInfo) -> str | None:
         if self.gemm_backend != MOE_GEMM_BACKEND:
             return f"FlashInfer fused MoE is exercised once, under flashinfer-{MOE_GEMM_BACKEND}"
-        moe = _moe_module()
-        return moe.flashinfer_moe_skip_reason(case) if hasattr(moe, "flashinfer_moe_skip_reason") else None
+        return _moe_module().flashinfer_moe_skip_reason(case, platform=self.platform)
 
     def prepare_moe(self, experts: MoEExperts, device: torch.device) -> Any:
         self._require_available()
-        return _moe_module().prepare_moe(experts, device)
+        return _moe_module().prepare_moe(experts, device, platform=self.platform)
 
     def run_moe(self, prepared: Any, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         return _moe_module().run_moe(prepared, x, topk_ids, topk_weights)
@@ -202,9 +218,11 @@ def _moe_module() -> ModuleType:
 
 
 def all_backends() -> list[FlashInferBackend]:
-    """One backend per GEMM backend of the installed FlashInfer; a single skipping placeholder if FlashInfer
-    is missing, broken or older than :data:`REQUIRED_VERSION`."""
-    module, reason = load_flashinfer()
+    """One backend per GEMM backend FlashInfer offers (on :func:`current_platform`: the installed FlashInfer,
+    or the emulator under ``--flashinfer-emulated``); a single skipping placeholder if FlashInfer is missing,
+    broken or older than :data:`REQUIRED_VERSION`."""
+    platform = current_platform()
+    module, reason = platform.load()
     if module is None:
-        return [FlashInferBackend(None, unavailable=reason)]
-    return [FlashInferBackend(name, module) for name in offered_gemm_backends(module.mm_bf16_fp4)]
+        return [FlashInferBackend(None, unavailable=reason, platform=platform)]
+    return [FlashInferBackend(name, module, platform=platform) for name in offered_gemm_backends(module.mm_bf16_fp4)]

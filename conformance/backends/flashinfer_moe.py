@@ -2,7 +2,7 @@
 
 ``conformance/backends/flashinfer.py`` (the dense backend) delegates its ``prepare_moe``/``run_moe``/MoE
 skip reasons here. The layout half is pure PyTorch (runs and is tested on CPU); only :func:`run_moe`
-needs FlashInfer's CuTe DSL kernels (SM100/103/107).
+needs FlashInfer's CuTe DSL kernels (SM100/103/107), or the emulator's under ``--flashinfer-emulated``.
 
 The contract, read from FlashInfer 0.7.4 (``fused_moe/cute_dsl/fused_moe.py``, ``blackwell/moe_w4a16*.py``)
 and SGLang 0.5.23 (``modelopt_quant.py`` ``ModelOptNvFp4FusedMoEMethod``, ``moe_runner/
@@ -40,6 +40,7 @@ import torch
 from reference_impl.nvfp4 import W13_CHUNK_ROWS, swizzle_128x4, swizzled_shape, to_cutedsl_w13, unswizzle_128x4
 
 from ..adapter import CaseInfo, MoEExperts
+from .flashinfer_platform import FlashInferPlatform, current_platform
 
 SUPPORTED_CAPABILITIES = ((10, 0), (10, 3), (10, 7))
 _ACTIVATION_TYPE_NAMES = {"swiglu": "Swiglu", "swiglu_oai": "Swiglu", "geglu": "GegluTanh", "relu2": "Relu2"}
@@ -135,15 +136,12 @@ def build_kernel_layout(experts: MoEExperts, device: torch.device | str = "cpu",
 
 
 # ----------------------------------------------------------------------------------------- FlashInfer
-def _import_wrapper():
-    from flashinfer.fused_moe.cute_dsl.fused_moe import CuteDslMoEWrapper
-    from flashinfer.tllm_enums import ActivationType
-
-    return CuteDslMoEWrapper, ActivationType
-
-
-def flashinfer_moe_skip_reason(case: CaseInfo | None, device: torch.device | None = None) -> str | None:
-    """Why FlashInfer's W4A16 MoE cannot run here (``None`` if it can): device, import, version, shape."""
+def flashinfer_moe_skip_reason(case: CaseInfo | None, device: torch.device | None = None,
+                               platform: FlashInferPlatform | None = None) -> str | None:
+    """Why FlashInfer's W4A16 MoE cannot run here (``None`` if it can): shape, device, import, version,
+    capability (FlashInfer's own query), CuTe DSL availability; ``platform`` defaults to the current one
+    (the emulator under ``--flashinfer-emulated``)."""
+    platform = platform or current_platform()
     device = torch.device(device if device is not None else (case.device if case else "cuda"))
     if case is not None:
         inter = case.shape.get("intermediate", 0)
@@ -154,32 +152,29 @@ def flashinfer_moe_skip_reason(case: CaseInfo | None, device: torch.device | Non
                 "gate/up decode scales differ by a non-power-of-two ratio: CuteDslMoEWrapper takes one GEMM1 "
                 "alpha per expert and no exact fold exists (see flashinfer_moe.fold_gate_up_scales)"
             )
-    if device.type != "cuda":
-        return f"FlashInfer CuTe DSL W4A16 MoE needs a CUDA device (SM100/SM103/SM107); the case runs on {device.type}"
-    if not torch.cuda.is_available():
-        return "FlashInfer CuTe DSL W4A16 MoE needs CUDA; torch.cuda.is_available() is False"
-    cap = torch.cuda.get_device_capability(device)
-    name = torch.cuda.get_device_name(device)
+    gpu = platform.gpu(device)
+    if isinstance(gpu, str):
+        return f"FlashInfer CuTe DSL W4A16 MoE (SM100/SM103/SM107): {gpu}"
+    module, reason = platform.load()
+    if module is None:
+        return reason
+    version = getattr(module, "__version__", "unknown")
     try:
-        import flashinfer
-
-        version = getattr(flashinfer, "__version__", "unknown")
+        wrapper_cls, _ = platform.moe_wrapper()
     except Exception as exc:  # noqa: BLE001 - any import failure is a reason to skip, reported verbatim
-        return f"flashinfer is not importable: {type(exc).__name__}: {exc}"
-    try:
-        wrapper_cls, _ = _import_wrapper()
-    except Exception as exc:  # noqa: BLE001
         return f"flashinfer {version}: CuteDslMoEWrapper not importable ({type(exc).__name__}: {exc})"
     if "quant_mode" not in inspect.signature(wrapper_cls.__init__).parameters:
         return f"flashinfer {version}: CuteDslMoEWrapper has no quant_mode (W4A16 MoE needs FlashInfer >= 0.7)"
+    cap = gpu.capability
     query = getattr(wrapper_cls.__init__, "is_compute_capability_supported", None)
     supported = query(cap[0] * 10 + cap[1]) if query else cap in SUPPORTED_CAPABILITIES
     if not supported:
         return (
             f"CuteDslMoEWrapper supports SM100/SM103/SM107 (flashinfer {version}), "
-            f"found SM{cap[0]}{cap[1]} ({name})"
+            f"found SM{cap[0]}{cap[1]} ({gpu.name})"
         )
-    return None
+    problem = platform.cute_dsl_problem(cap)
+    return f"FlashInfer CuTe DSL W4A16 MoE {problem}" if problem else None
 
 
 @dataclass
@@ -187,20 +182,24 @@ class PreparedFlashInferMoE:
     weights: KernelMoEWeights
     experts_meta: dict
     wrappers: dict = field(default_factory=dict)  # top_k -> CuteDslMoEWrapper
-    #: returns (CuteDslMoEWrapper class, ActivationType); None = FlashInfer's own (tests pass the emulator's)
+    #: returns (CuteDslMoEWrapper class, ActivationType): the platform's (FlashInfer's, or the emulator's)
     wrapper_source: Callable[[], tuple[Any, Any]] | None = None
 
 
 def prepare_moe(
-    experts: MoEExperts, device: torch.device, *, wrapper_source: Callable[[], tuple[Any, Any]] | None = None
+    experts: MoEExperts, device: torch.device, *, wrapper_source: Callable[[], tuple[Any, Any]] | None = None,
+    platform: FlashInferPlatform | None = None,
 ) -> PreparedFlashInferMoE:
     """Build the kernel layout on ``device`` once. Raises :class:`GateUpFoldError` for untied scales
     that cannot be folded exactly, ``RuntimeError`` with the skip reason when the kernel cannot run.
-    ``wrapper_source`` substitutes another ``CuteDslMoEWrapper`` (the CPU emulator in self-tests)."""
+    ``wrapper_source`` substitutes another ``CuteDslMoEWrapper`` without any gating (self-tests);
+    otherwise ``platform`` (default: the current one) gates and supplies it."""
     if wrapper_source is None:
-        reason = flashinfer_moe_skip_reason(None, device)
+        platform = platform or current_platform()
+        reason = flashinfer_moe_skip_reason(None, device, platform)
         if reason:
             raise RuntimeError(reason)
+        wrapper_source = platform.moe_wrapper
     weights = build_kernel_layout(experts, device)
     num_global = experts.num_global_experts or experts.num_local_experts * experts.ep_size
     meta = dict(
@@ -220,7 +219,7 @@ def _wrapper_for(prepared: PreparedFlashInferMoE, top_k: int) -> Any:
     if top_k not in prepared.wrappers:
         from reference_impl.moe import oai_params
 
-        wrapper_cls, activation_type = (prepared.wrapper_source or _import_wrapper)()
+        wrapper_cls, activation_type = (prepared.wrapper_source or current_platform().moe_wrapper)()
         m = prepared.experts_meta
         kwargs = dict(
             num_experts=m["num_experts"],

@@ -92,10 +92,14 @@ def check_reload_reproduces_output(run: EngineRun, label: str) -> None:
 CHECKS = ("scenario_completes", "output_within_bound", "reload_keeps_identity", "reload_reproduces_output")
 
 
-def failing_checks(adapter, case) -> dict[str, str]:
+def failing_checks(adapter, case, platform=None) -> dict[str, str]:
     """Run ``case`` (an ``EngineDenseCase`` or ``EngineMoECase``) through ``adapter`` and return the
     failing checks by name (empty: the engine conforms). ``scenario_completes`` fails when the engine or
-    the emulator raises (e.g. the emulator rejecting an argument FlashInfer would reject)."""
+    the emulator raises (e.g. the emulator rejecting an argument FlashInfer would reject).
+
+    ``platform`` (a :class:`~conformance.backends.flashinfer_platform.FlashInferPlatform`) selects the ``b200``
+    variant: the engine's layer code calls that platform's FlashInfer (the real kernels on a B200, the emulator
+    under ``--flashinfer-emulated``) on the ``b200`` tier's device. ``None``: the emulator on the CPU."""
     from ..dense_cases import build_activations, build_layer
     from .cases import EngineDenseCase, build_moe_checkpoint, build_moe_inputs
     from .core import run_scenario
@@ -109,8 +113,13 @@ def failing_checks(adapter, case) -> dict[str, str]:
         x, ids, wts = build_moe_inputs(case)
         kind, args = "moe", (x, ids, wts)
         reference = lambda: moe_reference(ckpt, x, ids, wts)  # noqa: E731
+    where = {}
+    if platform is not None:
+        from ..tiers import device_for_tier
+
+        where = dict(modules=platform.module_tree(), device=device_for_tier("b200"))
     try:
-        run = run_scenario(adapter, kind, case.mode, ckpt, args)
+        run = run_scenario(adapter, kind, case.mode, ckpt, args, **where)
     except Exception as exc:  # noqa: BLE001 - any engine/emulator error fails the scenario, with its text
         return {"scenario_completes": f"{type(exc).__name__}: {exc}"}
     failures: dict[str, str] = {}

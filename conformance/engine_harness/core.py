@@ -8,6 +8,7 @@ objects and which of its module-level names must point at the emulator; everythi
 from __future__ import annotations
 
 import abc
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -38,8 +39,9 @@ def identities(params: dict[str, torch.Tensor]) -> dict[str, ParamIdentity]:
 @dataclass
 class EngineRun:
     """What one scenario observed. ``y`` after the first post-load processing, ``y_reload`` after the
-    reload; ``before`` / ``after`` the identities of the parameters the contract says must survive a
-    same-shape reload; ``calls`` the emulator entry points the engine called, in order."""
+    reload (both on the CPU); ``before`` / ``after`` the identities of the parameters the contract says must
+    survive a same-shape reload; ``calls`` the emulator entry points the engine called, in order (empty when
+    the engine ran against the real FlashInfer)."""
 
     kind: Literal["dense", "moe"]
     mode: Mode
@@ -145,28 +147,41 @@ def run_scenario(
     mode: Mode,
     ckpt: DenseLayer | MoECheckpoint,
     forward_args: tuple,
+    *,
+    modules: dict | None = None,
+    device: torch.device | str = "cpu",
 ) -> EngineRun:
     """Build, load, post-process, forward; then reload the same checkpoint, post-process again and forward
-    again. Exceptions from the engine or the emulator propagate (an engine that crashes fails)."""
+    again. Exceptions from the engine or the emulator propagate (an engine that crashes fails).
+
+    ``modules`` is the ``flashinfer*`` module tree the engine's layer code calls (default: the emulator's,
+    recording every call); the real FlashInfer's tree makes it call the real kernels. Everything runs under
+    ``torch.device(device)``, as an engine's model loader builds its layers: parameters are created there, the
+    checkpoint tensors (on the CPU, as read from disk) go through the engine's weight loaders, the forward
+    arguments are moved there. Outputs come back on the CPU."""
+    calls: list[tuple[str, dict[str, Any]]] = []
+    modules = recording_module_tree(calls) if modules is None else modules
     build, load, forward = (
         (adapter.build_dense, adapter.load_dense, adapter.forward_dense)
         if kind == "dense"
         else (adapter.build_moe, adapter.load_moe, adapter.forward_moe)
     )
-    calls: list[tuple[str, dict[str, Any]]] = []
-    with adapter.stand_in(mode, kind, recording_module_tree(calls), ckpt):
+    device = torch.device(device)
+    forward_args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in forward_args)
+    placement = contextlib.nullcontext() if device.type == "cpu" else device  # CPU: torch's default already
+    with placement, adapter.stand_in(mode, kind, modules, ckpt):
         layer = build(ckpt, mode)
         load(layer, ckpt)
         adapter.post_load(layer)
         with torch.no_grad():
-            y = forward(layer, *forward_args).clone()
+            y = forward(layer, *forward_args).detach().to("cpu", copy=True)
         # After the first forward: engines create some graph-captured state lazily (SGLang's CuTe DSL
         # wrapper and its alphas), and a graph is captured after warm-up forwards.
         before = identities(adapter.graph_captured_params(layer))
         load(layer, ckpt)  # a reload: same checkpoint, same shapes
         adapter.post_load(layer)
         with torch.no_grad():
-            y_reload = forward(layer, *forward_args).clone()
+            y_reload = forward(layer, *forward_args).detach().to("cpu", copy=True)
         after = identities(adapter.graph_captured_params(layer))
     return EngineRun(kind, mode, y, y_reload, before, after, calls)
 

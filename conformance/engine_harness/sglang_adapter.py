@@ -183,7 +183,8 @@ class SGLangAdapter(EngineAdapter):
         return patches
 
     def stand_in(self, mode: Mode, kind: str, modules: dict, ckpt: Any) -> StandIn:
-        fields = dict(fp4_gemm_runner_backend="flashinfer_cutedsl", device="cpu")
+        # The harness runs the scenario under torch.device(...): SGLang's server device is that one.
+        fields = dict(fp4_gemm_runner_backend="flashinfer_cutedsl", device=torch.get_default_device().type)
         world_rank = 0
         if kind == "moe":
             fields.update(moe_runner_backend="flashinfer_cutedsl", moe_a2a_backend="none")
@@ -296,7 +297,7 @@ class SGLangAdapter(EngineAdapter):
     def forward_moe(self, layer: Any, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         from sglang.srt.layers.moe.topk import StandardTopKOutput
 
-        router_logits = torch.zeros(x.shape[0], layer.num_experts, dtype=torch.float32)
+        router_logits = torch.zeros(x.shape[0], layer.num_experts, dtype=torch.float32, device=x.device)
         return layer(x, StandardTopKOutput(topk_weights, topk_ids, router_logits))
 
     # ----------------------------------------------------------------------------------- shared

@@ -54,6 +54,8 @@ _GATED = {ActivationType.Swiglu, ActivationType.Geglu, ActivationType.SwigluBias
 _CUTE_DSL_ACTIVATIONS = (ActivationType.Swiglu, ActivationType.GegluTanh, ActivationType.Relu2, ActivationType.ClampedRelu2)
 _W4A16_ACTIVATIONS = (ActivationType.Swiglu, ActivationType.GegluTanh, ActivationType.Relu2)
 _QUANT_MODES = ("w4a4", "w4a8", "w4a16", "mxfp8")
+#: ``@supported_compute_capability([100, 103, 107])`` on the real ``CuteDslMoEWrapper.__init__``.
+_WRAPPER_CCS = (100, 103, 107)
 
 
 def _normalize_activation(activation_type, supported, backend: Optional[str] = None) -> tuple[ActivationType, bool]:
@@ -213,3 +215,7 @@ class CuteDslMoEWrapper:
 
         return run_w4a16_experts(self, x, token_selected_experts, token_final_scales,
                                  w1_weight, w1_weight_sf, w1_alpha, w2_weight, w2_weight_sf, w2_alpha)
+
+
+# The query FlashInfer's ``@supported_compute_capability`` attaches to ``CuteDslMoEWrapper.__init__``.
+CuteDslMoEWrapper.__init__.is_compute_capability_supported = lambda cc: int(cc) in _WRAPPER_CCS

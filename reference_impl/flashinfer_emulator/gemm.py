@@ -10,7 +10,7 @@ never mix real and emulated prepared tensors.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 
@@ -19,6 +19,9 @@ from ._device import BackendSupportedError, current_capability, current_major_mi
 from .layouts import convert_sf_from_mma_layout, convert_sf_to_mma_layout, linear_scales_from_swizzled_bytes
 
 BF16_FP4_BACKENDS = ("cudnn", "cute-dsl", "cute-dsl-native", "blackwell-native", "blackwell-tiled")
+#: The ``backend`` annotation of ``mm_bf16_fp4`` (FlashInfer's ``_Bf16Fp4Backend``): callers read the offered
+#: backends from it, as from the real signature.
+Bf16Fp4Backend = Literal["cudnn", "cute-dsl", "cute-dsl-native", "blackwell-native", "blackwell-tiled"]
 # Compute capabilities per backend checker (gemm_bf16_fp4.py, @supported_compute_capability).
 _BF16_FP4_CCS = {
     "cudnn": (100, 103, 107, 110, 120, 121),
@@ -171,7 +174,7 @@ def mm_bf16_fp4(
     b_descale: torch.Tensor,
     alpha: Optional[torch.Tensor] = None,
     *,
-    backend: str,
+    backend: Bf16Fp4Backend,
     out_dtype: Optional[torch.dtype] = None,
     out: Optional[torch.Tensor] = None,
     block_size: int = 16,
@@ -315,3 +318,22 @@ def _finish(a, b, linear_sf, alpha, out_dtype, out) -> torch.Tensor:
         out.copy_(result)
         return out
     return result
+
+
+# The queries FlashInfer's ``@backend_requirement`` decorator attaches to ``mm_bf16_fp4`` (utils.py).
+def _is_backend_supported(backend: str, cc: Optional[int] = None) -> bool:
+    """``mm_bf16_fp4.is_backend_supported``: the backend exists and (``cc`` given) its requirement's
+    ``@supported_compute_capability`` list holds ``cc``."""
+    if backend not in _BF16_FP4_CCS:
+        return False
+    return cc is None or cc in _BF16_FP4_CCS[backend]
+
+
+def _has_backend(backend: str) -> bool:
+    """``mm_bf16_fp4.has_backend``."""
+    return backend in _BF16_FP4_CCS
+
+
+mm_bf16_fp4.is_backend_supported = _is_backend_supported
+mm_bf16_fp4.has_backend = _has_backend
+mm_bf16_fp4.has_backend_choices = lambda: True

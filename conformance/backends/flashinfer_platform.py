@@ -1,0 +1,200 @@
+"""Where the FlashInfer backends run, behind one small interface (:class:`FlashInferPlatform`):
+
+* :class:`InstalledFlashInfer`: the installed ``flashinfer`` on this machine's CUDA GPU (the ``b200`` tier);
+* :class:`EmulatedFlashInfer`: ``reference_impl.flashinfer_emulator`` standing in for it on this host's device
+  (CUDA when present, else the CPU), with the capability check answering the emulator's SM100. Selected by
+  ``pytest --flashinfer-emulated``: the b200 code path rehearsed anywhere, never a B200 result.
+
+:func:`current_platform` picks one from :func:`conformance.tiers.b200_emulated`. Every precondition is a skip
+reason naming what was found and what is needed, checked the way FlashInfer 0.7.4 gates itself:
+
+* the GPU's compute capability, by FlashInfer's own ``mm_bf16_fp4.is_backend_supported(backend, cc)`` /
+  ``CuteDslMoEWrapper.__init__.is_compute_capability_supported(cc)``;
+* ``cudnn``: the cuDNN Python frontend importable and ``cudnn.backend_version() >= 92301`` (9.23.1), the
+  constant ``_CUDNN_BF16_FP4_MIN_BACKEND_VERSION`` of ``flashinfer/gemm/gemm_bf16_fp4.py``, below which its
+  ``tests/gemm/test_mm_bf16_fp4.py`` skips the backend (``_skip_if_backend_unavailable``) and its requirement
+  check raises; frontend >= 1.13 (``gemm_base._check_cudnn_fp4_availability``);
+* ``cute-dsl`` (dense) and the CuTe DSL MoE: ``flashinfer.cute_dsl.is_cute_dsl_available()`` (the
+  ``cute_dsl_available`` skip of ``tests/moe/test_cute_dsl_fused_moe.py``, ``_check_cute_dsl_availability`` of
+  the dense requirement); for the MoE also ``is_cute_dsl_arch_supported(major, minor, native_only=True)``
+  (that test file's ``_requires_dsl_arch``).
+"""
+from __future__ import annotations
+
+import abc
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from ..tiers import Gpu, b200_emulated
+
+#: FlashInfer 0.7.4's minimum cuDNN backend version for BF16 x FP4 (used when the installed FlashInfer
+#: does not expose ``gemm_bf16_fp4._CUDNN_BF16_FP4_MIN_BACKEND_VERSION``).
+CUDNN_BF16_FP4_MIN_BACKEND_VERSION = 92301
+#: ``gemm_base._check_cudnn_fp4_availability``: the cuDNN frontend must be 1.13 or newer for FP4.
+CUDNN_MIN_FRONTEND = (1, 13)
+
+
+def cudnn_version_text(backend_version: int) -> str:
+    """``92301`` -> ``"9.23.1"`` (cuDNN encodes major * 10000 + minor * 100 + patch)."""
+    return f"{backend_version // 10000}.{backend_version // 100 % 100}.{backend_version % 100}"
+
+
+def cudnn_skip_reason(frontend: str | None, backend_version: int | None, minimum: int,
+                      unavailable: str | None = None) -> str | None:
+    """Why the ``cudnn`` GEMM backend cannot run with this cuDNN (``None``: it can)."""
+    need = f"needs cuDNN backend >= {cudnn_version_text(minimum)} ({minimum}) and frontend >= 1.13"
+    if unavailable:
+        return f"flashinfer mm_bf16_fp4 backend 'cudnn' {need}; {unavailable}"
+    try:
+        front = tuple(int(p) for p in str(frontend).split(".")[:2])
+    except ValueError:
+        return f"flashinfer mm_bf16_fp4 backend 'cudnn' {need}; unreadable cuDNN frontend version {frontend!r}"
+    if front < CUDNN_MIN_FRONTEND:
+        return f"flashinfer mm_bf16_fp4 backend 'cudnn' {need}; found frontend {frontend}"
+    if backend_version is None or backend_version < minimum:
+        found = "none" if backend_version is None else f"{cudnn_version_text(backend_version)} ({backend_version})"
+        return f"flashinfer mm_bf16_fp4 backend 'cudnn' {need}; found backend {found}"
+    return None
+
+
+class FlashInferPlatform(abc.ABC):
+    """What the FlashInfer backends and the engine harness need to know about where FlashInfer runs."""
+
+    #: ``True`` for the emulator standing in (reports mark such runs, never counting them as B200 results).
+    emulated: bool = False
+
+    @abc.abstractmethod
+    def load(self) -> tuple[Any, str | None]:
+        """``(flashinfer API module, None)``, or ``(None, why not)`` (missing, broken, too old)."""
+
+    @abc.abstractmethod
+    def describe(self, module: Any) -> str:
+        """Version text for reports, e.g. ``flashinfer 0.7.4``."""
+
+    @abc.abstractmethod
+    def gpu(self, device: torch.device) -> Gpu | str:
+        """The GPU a case on ``device`` runs on (its capability decides), or why there is none."""
+
+    @abc.abstractmethod
+    def cudnn(self) -> tuple[str | None, int | None, int, str | None]:
+        """``(frontend version, backend version, FlashInfer's minimum backend version, why unavailable)``."""
+
+    @abc.abstractmethod
+    def cute_dsl_problem(self, capability: tuple[int, int] | None) -> str | None:
+        """Why the CuTe DSL cannot run here (``capability``: also check its arch support, MoE kernels)."""
+
+    @abc.abstractmethod
+    def moe_wrapper(self) -> tuple[type, Any]:
+        """``(CuteDslMoEWrapper, ActivationType)``; import errors propagate."""
+
+    @abc.abstractmethod
+    def module_tree(self) -> dict[str, ModuleType]:
+        """``flashinfer*`` modules for the engine harness's stand-in (``sys.modules`` entries)."""
+
+
+class InstalledFlashInfer(FlashInferPlatform):
+    """The installed FlashInfer on this machine's CUDA GPUs."""
+
+    def load(self) -> tuple[Any, str | None]:
+        from .flashinfer import load_flashinfer
+
+        return load_flashinfer()
+
+    def describe(self, module: Any) -> str:
+        return f"flashinfer {getattr(module, '__version__', 'unknown')}"
+
+    def gpu(self, device: torch.device) -> Gpu | str:
+        device = torch.device(device)
+        if device.type != "cuda":
+            return f"FlashInfer runs on CUDA GPUs only; this case runs on {device.type}"
+        if not torch.cuda.is_available():
+            return "FlashInfer needs a CUDA GPU; torch.cuda.is_available() is False"
+        return Gpu(torch.cuda.get_device_name(device), tuple(torch.cuda.get_device_capability(device)))
+
+    def cudnn(self) -> tuple[str | None, int | None, int, str | None]:
+        minimum = CUDNN_BF16_FP4_MIN_BACKEND_VERSION
+        try:
+            from flashinfer.gemm import gemm_bf16_fp4
+
+            minimum = int(getattr(gemm_bf16_fp4, "_CUDNN_BF16_FP4_MIN_BACKEND_VERSION", minimum))
+            import cudnn
+        except Exception as exc:  # noqa: BLE001 - any import failure means: no usable cuDNN frontend
+            return None, None, minimum, f"the cuDNN Python frontend is not importable ({type(exc).__name__}: {exc})"
+        try:
+            return str(cudnn.__version__), int(cudnn.backend_version()), minimum, None
+        except Exception as exc:  # noqa: BLE001
+            return None, None, minimum, f"cudnn.backend_version() failed ({type(exc).__name__}: {exc})"
+
+    def cute_dsl_problem(self, capability: tuple[int, int] | None) -> str | None:
+        try:
+            from flashinfer.cute_dsl import is_cute_dsl_arch_supported, is_cute_dsl_available
+        except Exception as exc:  # noqa: BLE001
+            return f"flashinfer.cute_dsl is not importable ({type(exc).__name__}: {exc})"
+        if not is_cute_dsl_available():
+            return "needs the CuTe DSL (nvidia-cutlass-dsl): flashinfer.cute_dsl.is_cute_dsl_available() is False"
+        if capability is not None and not is_cute_dsl_arch_supported(*capability, native_only=True):
+            return (f"the installed CuTe DSL cannot target SM{capability[0]}{capability[1]} natively "
+                    f"(is_cute_dsl_arch_supported(..., native_only=True) is False)")
+        return None
+
+    def moe_wrapper(self) -> tuple[type, Any]:
+        from flashinfer.fused_moe.cute_dsl.fused_moe import CuteDslMoEWrapper
+        from flashinfer.tllm_enums import ActivationType
+
+        return CuteDslMoEWrapper, ActivationType
+
+    def module_tree(self) -> dict[str, ModuleType]:
+        import sys
+
+        import flashinfer  # noqa: F401 - the real package and the submodules it imported
+        import flashinfer.cute_dsl.utils  # noqa: F401 - imported at call time by engines
+
+        return {k: m for k, m in sys.modules.items() if (k == "flashinfer" or k.startswith("flashinfer.")) and m}
+
+
+class EmulatedFlashInfer(FlashInferPlatform):
+    """``reference_impl.flashinfer_emulator`` in FlashInfer's place (``--flashinfer-emulated``)."""
+
+    emulated = True
+
+    def load(self) -> tuple[Any, str | None]:
+        import reference_impl.flashinfer_emulator as emulator
+
+        return emulator, None
+
+    def describe(self, module: Any) -> str:
+        return (f"flashinfer_emulator {getattr(module, '__version__', '?')} standing in for FlashInfer "
+                f"(--flashinfer-emulated: not a B200 result)")
+
+    def gpu(self, device: torch.device) -> Gpu | str:
+        from reference_impl.flashinfer_emulator._device import current_major_minor
+
+        device = torch.device(device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            return "the emulated FlashInfer was given a CUDA case but torch.cuda.is_available() is False"
+        return Gpu(f"emulated by flashinfer_emulator on {device.type}", current_major_minor())
+
+    def cudnn(self) -> tuple[str | None, int | None, int, str | None]:
+        # The emulated machine has the cuDNN FlashInfer asks for; the gate itself still runs.
+        return "1.13", CUDNN_BF16_FP4_MIN_BACKEND_VERSION, CUDNN_BF16_FP4_MIN_BACKEND_VERSION, None
+
+    def cute_dsl_problem(self, capability: tuple[int, int] | None) -> str | None:
+        return None
+
+    def moe_wrapper(self) -> tuple[type, Any]:
+        import reference_impl.flashinfer_emulator as emulator
+
+        return emulator.CuteDslMoEWrapper, emulator.ActivationType
+
+    def module_tree(self) -> dict[str, ModuleType]:
+        from reference_impl.flashinfer_emulator import flashinfer_module_tree
+
+        return flashinfer_module_tree()
+
+
+def current_platform() -> FlashInferPlatform:
+    """The emulator under ``--flashinfer-emulated`` (:func:`conformance.tiers.b200_emulated`), else the
+    installed FlashInfer."""
+    return EmulatedFlashInfer() if b200_emulated() else InstalledFlashInfer()
