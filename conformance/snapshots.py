@@ -131,6 +131,14 @@ def _tensor_from_record(record: dict) -> torch.Tensor:
     return data.view(dtype).reshape(record["shape"])
 
 
+def deserialize_entries(text: str) -> dict[str, Any]:
+    """The entries of a snapshot text: tensors (float entries with their recorded values) and str/int values."""
+    data = json.loads(text)
+    if data.get("format") != SNAPSHOT_FORMAT:
+        raise ValueError(f"snapshot format {data.get('format')!r}, expected {SNAPSHOT_FORMAT!r}")
+    return {name: (e["value"] if "value" in e else _tensor_from_record(e).clone()) for name, e in data["entries"].items()}
+
+
 # ----------------------------------------------------------------------------------------- comparison
 def snapshot_differences(snapshot_text: str, received_text: str) -> list[str]:
     """Human-readable differences between a stored snapshot and a received one (empty list: they match).
