@@ -36,6 +36,7 @@ other way; the comparison stops there (see ``conformance/server/golden.py``).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from dataclasses import dataclass
 
@@ -131,6 +132,18 @@ def _partials_sq(x: torch.Tensor, w: torch.Tensor, tp: int) -> torch.Tensor:
     return parts.pow(2).sum(0) + running.pow(2).sum(0)
 
 
+class _RouterTap(StoreObserver):
+    """Keeps the router logits of a forward (no analysis)."""
+
+    def __init__(self) -> None:
+        self.routers: list[torch.Tensor] = []
+
+    def __call__(self, kind, value, info, n, reduced):
+        if kind == "router":
+            self.routers.append(value.detach())
+        return value
+
+
 @dataclass
 class GoldenSet:
     """The reference's greedy outputs for ``prompt_ids`` on one checkpoint (P prompts, N steps). ``*_var``
@@ -185,10 +198,18 @@ class ExactModel:
         """One forward of ``prompt + continuation[:-1]`` with the rounding analysis: the logits ``[N, V]`` of
         the N steps (the analysis graph is kept for :meth:`RoundingAnalysis.variances`)."""
         analysis = RoundingAnalysis()
-        model = TinyModel(self.cfg, self.weights, act_dtype=torch.float64, observer=analysis)
-        with torch.enable_grad():
-            logits = model.logits([torch.tensor(list(prompt) + list(continuation[:-1]))])
+        with self._using(observer=analysis), torch.enable_grad():
+            logits = self._plain.logits([torch.tensor(list(prompt) + list(continuation[:-1]))])
         return analysis, logits[len(prompt) - 1:]
+
+    @contextlib.contextmanager
+    def _using(self, observer=None, forced_routes=None):
+        """The one exact model (weights decoded once) with an observer / forced routes for one forward."""
+        self._plain.observer, self._plain.forced_routes = observer, dict(forced_routes or {})
+        try:
+            yield self._plain
+        finally:
+            self._plain.observer, self._plain.forced_routes = None, {}
 
     def gap_variance(self, prompt: list[int], continuation: list[int], step: int, token: int) -> tuple[float, torch.Tensor]:
         """(gap, variance proxies) of ``logit(continuation[step]) - logit(token)`` at ``step`` (on demand, for
@@ -198,11 +219,21 @@ class ExactModel:
             gap = logits[step, continuation[step]] - logits[step, token]
         return float(gap.detach()), analysis.variances([gap])[0]
 
-    def golden(self, prompts: list[list[int]], steps: int, top_k: int = TOP_K,
-               variances: bool = True) -> GoldenSet:
+    def branch(self, prompt: list[int], continuation: list[int],
+               forced: dict[tuple[int, int], tuple[int, int]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Step logits ``[N, V]`` and router logits (per layer ``[T, E]``) of the reference's path with the
+        routing decisions ``forced`` ((layer, position) -> (expert out, expert in)) taken the other way;
+        every other decision is recomputed, so the flips' consequences downstream are included."""
+        tap = _RouterTap()
+        with self._using(observer=tap, forced_routes=forced) as model, torch.no_grad():
+            logits = model.logits([torch.tensor(list(prompt) + list(continuation[:-1]))])
+        return logits[len(prompt) - 1:], tap.routers
+
+    def golden(self, prompts: list[list[int]], steps: int, top_k: int = TOP_K, variances: bool = True) -> GoldenSet:
         """Greedy outputs, logprobs, top-K logit gaps and routing gaps, with the variance proxies of the
         logprobs and routing gaps (``variances=False``: values only, zeros instead; for cheap re-checks).
-        Gap variances are computed on demand (:meth:`gap_variance`), when an engine diverges."""
+        Variances of other gaps and other routings (:meth:`branch`) are computed on demand, when an engine
+        diverges."""
         p, k, c = len(prompts), min(top_k, self.cfg.vocab_size), len(COMPONENTS)
         t_max, layers = max(len(x) for x in prompts) + steps - 1, self.cfg.num_layers
         out = GoldenSet(self.digest, [list(x) for x in prompts], torch.zeros(p, steps, dtype=torch.int64),

@@ -254,6 +254,7 @@ class TinyModel:
                  act_dtype: torch.dtype = torch.bfloat16, observer: "StoreObserver | None" = None):
         self.cfg, self.w, self.comm, self.act = cfg, weights, comm or Comm(), act_dtype
         self.observer = observer
+        self.forced_routes: dict[tuple[int, int], tuple[int, int]] = {}  # (layer, row) -> (expert out, expert in)
         self._decoded: dict[str, torch.Tensor] | None = None
         self._experts: dict[str, ExpertWeights] | None = None
         self.local_experts = sorted({int(k.split(".")[5]) for k in weights if ".mlp.experts." in k})
@@ -387,6 +388,14 @@ class TinyModel:
             empty = torch.zeros(0, self.cfg.top_k, device=x.device)
             return empty.long(), empty.to(self.act)
         ids, weights = softmax_topk(logits, self.cfg.top_k, renormalize=self.cfg.norm_topk_prob)
+        forced = {row: swap for (layer, row), swap in self.forced_routes.items() if f"layers.{layer}." in p + "."}
+        if forced:  # the other side of a routing near-tie (reference_impl/golden.py): swap one expert
+            ids = ids.clone()
+            for row, (drop, add) in forced.items():
+                ids[row][ids[row] == drop] = add
+            weights = torch.softmax(logits.float(), dim=-1).gather(1, ids.long())
+            if self.cfg.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
         return ids.long(), self._store(weights, "round")
 
     def moe(self, x: torch.Tensor, p: str) -> torch.Tensor:

@@ -206,6 +206,26 @@ def _normalise_generate(body: GenerateIn, tokenizer, cfg) -> tuple[list[Generate
     return requests, [len(s) for s in ids], batched
 
 
+def decode_ids(tokenizer, ids: list[int]) -> str:
+    """Text of ``ids``. An id the tokenizer does not have (a tokenizer smaller than the model's vocabulary)
+    is written as ``<|token_id=N|>``: it is never silently dropped (``tokenizers`` would drop it)."""
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    if all(0 <= t < size for t in ids):
+        return tokenizer.decode(ids)
+    parts, run = [], []
+    for t in ids:
+        if 0 <= t < size:
+            run.append(t)
+            continue
+        if run:
+            parts.append(tokenizer.decode(run))
+            run = []
+        parts.append(f"<|token_id={t}|>")
+    if run:
+        parts.append(tokenizer.decode(run))
+    return "".join(parts)
+
+
 def cfg_max_len(cfg) -> int:
     return cfg.max_position_embeddings
 
@@ -262,9 +282,10 @@ def create_app(scheduler: Scheduler, tokenizer, server_info: dict) -> FastAPI:
                     "weight_version": str(engine.weight_version)}
             if body.return_logprob:
                 meta["output_token_logprobs"] = [
-                    [lp, tok, tokenizer.decode([tok]) if body.return_text_in_logprobs else None]
+                    [lp, tok, decode_ids(tokenizer, [tok]) if body.return_text_in_logprobs else None]
                     for lp, tok in zip(res.logprobs, res.output_ids)]
-            responses.append({"text": tokenizer.decode(res.output_ids), "output_ids": res.output_ids, "meta_info": meta})
+            responses.append({"text": decode_ids(tokenizer, res.output_ids), "output_ids": res.output_ids,
+                              "meta_info": meta})
         return responses if batched else responses[0]
 
     @app.post("/update_weights_from_disk")
