@@ -72,10 +72,11 @@ CASES = [
     MutantCase("rebinding-reload-different", "rebinding_reload", "dense-nvfp4_awq", "reload_different_weights", False),
     MutantCase("rebinding-reload-concurrent", "rebinding_reload", "dense-nvfp4_awq", "generate_during_reload", False),
 ]
-# a correct engine with another arithmetic passes every scenario, at TP1 and TP2
+# a correct engine with another arithmetic passes every scenario, at TP1 and TP2 -- except batch invariance,
+# which it does not promise (fp32 GEMMs whose blocking depends on the batch; as `-m "not batch_invariance"`)
 CASES += [MutantCase(f"fp32-engine-tp{tp}-{family}-{s.id}", "fp32_engine", family, s.id, False, tp=tp)
           for tp in (1, 2) for family in ("dense-nvfp4_awq", "moe-w4a16_nvfp4") for s in SCENARIOS
-          if not (s.needs_tp_baseline and tp == 1)]
+          if not (s.needs_tp_baseline and tp == 1) and "batch_invariance" not in s.marks]
 
 
 MAX_LIVE = 3  # servers kept running per worker (cases are ordered and grouped by server)

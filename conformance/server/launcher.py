@@ -80,11 +80,16 @@ class ServerProcess:
         raise ServerStartError(f"server not healthy after {timeout_s:.0f} s\ncommand: {self.command}\n"
                                f"log ({self.log.name}):\n{self.log_tail()}")
 
-    def log_tail(self, chars: int = 3000) -> str:
+    def log_tail(self, chars: int = 3000, traceback_chars: int = 12000) -> str:
+        """The end of the log; from the start of its last traceback when that is not too far back."""
         try:
-            return Path(self.log.name).read_text()[-chars:]
+            text = Path(self.log.name).read_text(errors="replace")
         except OSError:
             return "(no log)"
+        start = text.rfind("Traceback (most recent call last)")
+        if start >= 0 and len(text) - start <= traceback_chars:
+            return text[start:]
+        return text[-chars:]
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM the server's process group, SIGKILL what is left after ``grace_s`` (also when the main

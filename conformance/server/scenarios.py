@@ -158,8 +158,9 @@ def failed_reload_corrupt_checkpoint(ctx: ScenarioContext) -> None:
 def generate_during_reload(ctx: ScenarioContext) -> None:
     """Generate requests sent before, during and after a reload all complete, each the golden output of the
     old or of the new weights (never a mix); requests sent after the reload answered have the new weights'
-    golden output. Outputs of the same weights agree with each other exactly."""
-    expected_a = _start(ctx)
+    golden output. (Whether outputs of the same weights are identical across the batches they happened to
+    share is batch invariance, which not every engine promises: batch_size_invariance checks it.)"""
+    _start(ctx)
     singles = [(i, p) for i, p in enumerate(PROMPTS)] * 2
 
     def one(item):
@@ -180,7 +181,6 @@ def generate_during_reload(ctx: ScenarioContext) -> None:
             for n, f in enumerate(futures):
                 i, g = f.result(timeout=ctx.deadline.remaining())
                 results.append((wave, n, i, g))
-    seen: dict[tuple[str, int], Generation] = {("old", i): g for i, g in enumerate(expected_a)}
     for wave, n, i, g in results:
         tag = f"generate_during_reload: request {n} sent {wave} the reload (prompt {PROMPTS[i]!r})"
         assert len(g.ids) == GREEDY["max_new_tokens"], (
@@ -198,8 +198,6 @@ def generate_during_reload(ctx: ScenarioContext) -> None:
             ctx.golden.add(result)
             break
         assert match, f"{tag}: output {list(g.ids)} is neither weight set's golden output: " + "; ".join(failures)
-        first = seen.setdefault((match, i), g)
-        _assert_same([first], [g], f"{tag}: vs an earlier output of the {match} weights", RELOAD_LOGPROB_TOL)
     _reload(ctx, ctx.model.a)
 
 
