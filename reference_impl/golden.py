@@ -8,14 +8,14 @@ top-1, and for every MoE routing decision the gap between the k-th and (k+1)-th 
 
 **Rounding analysis.** A serving engine stores intermediates in BF16 where the reference model calls
 ``TinyModel._store``. An observer (:class:`RoundingAnalysis`) adds a zero perturbation leaf ``d_v`` to each
-stored tensor ``v``, so one (batched) backward pass gives ``df/dv`` for every store and every output ``f``.
+stored tensor ``v``, so one backward pass per output ``f`` gives ``df/dv`` for every store.
 To first order an engine's ``f`` differs from the exact one by ``sum_i (df/dv_i) * e_i`` over its
 individual rounding errors ``e_i``, each bounded by ``|e_i| <= c_i`` (Higham, *Accuracy and Stability of
 Numerical Algorithms*, 2nd ed., 3.1). Modelling rounding errors as independent and mean zero (Higham and
 Mary, "A New Approach to Probabilistic Rounding Error Analysis", SIAM J. Sci. Comput. 41(5), 2019),
 Hoeffding's inequality gives ``P(|df| >= lam * sqrt(sum_i (df/dv_i * c_i)^2)) <= 2 exp(-lam^2 / 2)``.
-This module computes the *variance proxies* ``sum_i (df/dv_i * c_i / unit)^2``, in three components
-whose unit roundoffs (and tensor-parallel width) ``conformance/server/bounds.py`` applies, next to the check:
+This module computes the *variance proxies* ``sum_i (df/dv_i * c_i / unit)^2``, in the components
+:data:`COMPONENTS`, whose unit roundoffs ``conformance/server/bounds.py`` applies, next to the check:
 
 * ``bf16`` (unit ``2^-8``): every BF16 rounding an engine may make: the stored value (``|v|``; twice for
   ``silu(gate) * up``: activation and product), rounded products before a sum (rotary embedding:
@@ -26,13 +26,15 @@ whose unit roundoffs (and tensor-parallel width) ``conformance/server/bounds.py`
 * ``accum`` (unit ``2^-23``, fp32 accumulation, one ulp per addition as tensor cores truncate): every
   reduction of length ``n`` (linear, attention scores and values, router, LM head) errs by at most
   ``(n + 2) * M`` with ``M`` the sum of the absolute products;
-* ``reduce`` (unit ``2^-8``, times the tensor-parallel width): row-parallel outputs (attention ``o_proj``,
-  MLP ``down_proj``, MoE combine) when each rank's partial sum and the all-reduce are rounded to BF16:
-  ``tp`` roundings of at most ``A`` (the magnitude of the full sum) per element.
+* ``tp2``, ``tp4``, ``tp8`` (unit ``2^-8``, added at that tensor-parallel size): row-parallel outputs
+  (attention ``o_proj``, MLP ``down_proj``) when each rank's partial sum and the all-reduce's running sums
+  are rounded to BF16 (the actual partials of contiguous input slices); the MoE combine, ``tp`` roundings
+  of at most ``sum_k |w_k| A_k`` (``A_k`` bounds any rank's partial of expert ``k``'s output).
 
 Discrete decisions are not differentiable: a greedy token whose gap to another candidate is inside that
 gap's bound, or a routing decision whose router-logit gap is inside its bound, may legitimately go the
-other way; the comparison stops there (see ``conformance/server/golden.py``).
+other way. The golden outputs record the gaps; :meth:`ExactModel.gap_variance` and :meth:`ExactModel.branch`
+answer on demand, when an engine diverges (see ``conformance/server/golden.py``).
 """
 from __future__ import annotations
 
