@@ -149,3 +149,14 @@ def test_derived_weight_sets(tmp_path, arch, algo):
     ref = quantize_modelopt(torch.from_numpy(w), torch.tensor(float(ours["weight_scale_2"])))
     assert np.array_equal(ref.packed.numpy(), ours["weight"])
     assert np.array_equal(ref.block_scale.view(torch.uint8).numpy(), ours["weight_scale"].view(np.uint8))
+
+
+def test_server_checkpoints_dir_is_only_read(tmp_path):
+    """--server-checkpoints DIR: a directory without an up-to-date fixture build is an error; nothing is
+    written there (no fixtures, no .gitignore, no lock file)."""
+    from conformance.server.models import ModelError, ensure_fixture_root
+
+    (tmp_path / "mine.txt").write_text("user data\n")
+    with pytest.raises(ModelError, match="never writes there"):
+        ensure_fixture_root(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.txt"]
