@@ -136,12 +136,13 @@ def load_snapshot(path: Path) -> dict[str, Any]:
     """The entries of a stored snapshot file: tensors (exactly as stored), strings and ints. For tests that
     judge a backend against golden data without re-creating it (``conformance/test_dense_golden.py``)."""
     try:
-        data = json.loads(Path(path).read_text())
+        text = Path(path).read_text()
     except FileNotFoundError as exc:
         raise FileNotFoundError(f"golden snapshot {path} is missing (generate it with --snapshot-update)") from exc
-    if data.get("format") != SNAPSHOT_FORMAT:
-        raise ValueError(f"{path}: snapshot format {data.get('format')!r}, expected {SNAPSHOT_FORMAT!r}")
-    return {name: e["value"] if "value" in e else _tensor_from_record(e) for name, e in data["entries"].items()}
+    try:
+        return deserialize_entries(text)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from exc
 
 
 def tensors_sha256(tensors: Iterable[torch.Tensor | None]) -> str:
@@ -151,6 +152,14 @@ def tensors_sha256(tensors: Iterable[torch.Tensor | None]) -> str:
         if t is not None:
             h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def deserialize_entries(text: str) -> dict[str, Any]:
+    """The entries of a snapshot text: tensors (float entries with their recorded values) and str/int values."""
+    data = json.loads(text)
+    if data.get("format") != SNAPSHOT_FORMAT:
+        raise ValueError(f"snapshot format {data.get('format')!r}, expected {SNAPSHOT_FORMAT!r}")
+    return {name: (e["value"] if "value" in e else _tensor_from_record(e).clone()) for name, e in data["entries"].items()}
 
 
 # ----------------------------------------------------------------------------------------- comparison

@@ -94,6 +94,13 @@ class Layout:
     moe_tp_size: int = 1
 
 
+def _rope_magnitude(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``|x cos| + |rotate_half(x) sin|``: the two rounded products of the rotary embedding."""
+    x, h = x.double(), x.shape[-1] // 2
+    rotated = torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+    return (x * cos.double()).abs() + (rotated * sin.double()).abs()
+
+
 def _split(total: int, parts: int, rank: int, what: str, unit: int = 1) -> slice:
     if total % parts or (total // parts) % unit:
         raise CheckpointError(f"{what} = {total} cannot be split into {parts} parts of a multiple of {unit}")
@@ -217,6 +224,15 @@ def _stack_experts(w: dict, p: str, local: list[int], num_experts: int) -> Exper
     return ExpertWeights(w13, s13, ws13, w2, s2, ws2, activation="swiglu", ep_rank=ep_rank)
 
 
+class StoreObserver:
+    """Sees every intermediate the model stores in the activation dtype (see ``TinyModel._store``); returns
+    the value to continue with. :class:`reference_impl.golden.RoundingAnalysis` is the one in use."""
+
+    def __call__(self, kind: str, value: torch.Tensor, magnitude: torch.Tensor | None, n: int,
+                 reduced: bool) -> torch.Tensor:
+        raise NotImplementedError
+
+
 class Comm:
     """Single-process collectives (identity). The server subclasses this with torch.distributed."""
 
@@ -235,8 +251,10 @@ class TinyModel:
     """Forward pass over a list of token sequences; returns each sequence's last-position logits (fp64)."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], comm: Comm | None = None,
-                 act_dtype: torch.dtype = torch.bfloat16):
+                 act_dtype: torch.dtype = torch.bfloat16, observer: "StoreObserver | None" = None):
         self.cfg, self.w, self.comm, self.act = cfg, weights, comm or Comm(), act_dtype
+        self.observer = observer
+        self.forced_routes: dict[tuple[int, int], tuple[int, int]] = {}  # (layer, row) -> (expert out, expert in)
         self._decoded: dict[str, torch.Tensor] | None = None
         self._experts: dict[str, ExpertWeights] | None = None
         self.local_experts = sorted({int(k.split(".")[5]) for k in weights if ".mlp.experts." in k})
@@ -254,6 +272,35 @@ class TinyModel:
                 prefix = name[: -len(".weight_scale")]
                 # weight_scale_2 = 1 keeps the product exact: e2m1 * e4m3 is representable in fp32 and fp64
                 self._decoded[prefix] = dequantize(self.w[f"{prefix}.weight"], t, 1.0, torch.float64)
+
+    def _store(self, value: torch.Tensor, kind: str, magnitude=None, n: int = 0, reduced: bool = False) -> torch.Tensor:
+        """``value`` kept in the activation dtype: where a serving engine stores an intermediate in BF16 (one
+        rounding). ``kind``, ``magnitude`` (a callable giving a tensor, or for linears the operands
+        ``(x * pre_quant_scale, W * weight_scale_2)``), ``n`` (reduction length) and ``reduced`` (a
+        tensor-parallel reduction output) describe the rounding for the error analysis of
+        :mod:`reference_impl.golden`; they are only evaluated when an observer is attached."""
+        out = value.to(self.act)
+        if self.observer is not None:
+            with torch.no_grad():
+                info = magnitude() if magnitude is not None else None
+            out = self.observer(kind, out, info, n, reduced)
+        return out
+
+    def _proj(self, x: torch.Tensor, prefix: str, reduce=None) -> torch.Tensor:
+        """A linear stored in the activation dtype: column-parallel (``reduce`` None) or row-parallel."""
+        y = self.linear(x, prefix)
+        y = reduce(y) if reduce is not None else y
+        return self._store(y, "linear_awq" if f"{prefix}.pre_quant_scale" in self.w else "linear",
+                           lambda: self.linear_operands(x, prefix), x.shape[-1], reduce is not None)
+
+    def linear_operands(self, x: torch.Tensor, prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x * pre_quant_scale, dequant(W) * weight_scale_2)`` in fp64, detached: what :meth:`linear`
+        multiplies (for the error analysis)."""
+        xd = x.detach().double()
+        pqs = self.w.get(f"{prefix}.pre_quant_scale")
+        if pqs is not None:
+            xd = xd * pqs.double()
+        return xd, self._decoded[prefix] * self.w[f"{prefix}.weight_scale_2"].double()
 
     def linear(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
         """This rank's partial ``((x * pre_quant_scale) @ dequant(W)^T) * weight_scale_2`` in fp64, the
@@ -277,14 +324,14 @@ class TinyModel:
         else:
             ms = x32.pow(2).mean(-1, keepdim=True)
         y = x32 * torch.rsqrt(ms + self.cfg.rms_norm_eps)
-        return self.w[name].to(self.act) * y.to(self.act)
+        return self._store(self.w[name].to(self.act) * self._store(y, "round"), "round")
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         d = self.cfg.head_dim
         inv_freq = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
         freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(self.act), emb.sin().to(self.act)
+        return self._store(emb.cos(), "round"), self._store(emb.sin(), "round")
 
     @staticmethod
     def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -295,53 +342,61 @@ class TinyModel:
         """Causal self-attention of packed sequences ``x [sum(lengths), H]`` (each from position 0)."""
         cfg, act = self.cfg, self.act
         t, hd = x.shape[0], cfg.head_dim
-        q = self._heads(self.linear(x, f"{p}.q_proj"), hd)
-        k = self._heads(self.linear(x, f"{p}.k_proj"), hd)
-        v = self._heads(self.linear(x, f"{p}.v_proj"), hd)
+        q = self._heads(self._proj(x, f"{p}.q_proj"), hd)
+        k = self._heads(self._proj(x, f"{p}.k_proj"), hd)
+        v = self._heads(self._proj(x, f"{p}.v_proj"), hd)
         if f"{p}.q_norm.weight" in self.w:
             q, k = self.rms_norm(q, f"{p}.q_norm.weight"), self.rms_norm(k, f"{p}.k_norm.weight")
         outs = []
         for qs, ks, vs in zip(q.split(lengths), k.split(lengths), v.split(lengths)):
             outs.append(self._attend(qs, ks, vs))
         o = torch.cat(outs) if outs else q.new_zeros(0, q.shape[1] * hd)
-        return self.comm.attn_all_reduce(self.linear(o, f"{p}.o_proj")).to(act)
+        return self._proj(o, f"{p}.o_proj", self.comm.attn_all_reduce)
 
     def _heads(self, y: torch.Tensor, hd: int) -> torch.Tensor:
-        return self.comm_free(y).view(y.shape[0], y.shape[-1] // hd, hd)
+        return y.view(y.shape[0], y.shape[-1] // hd, hd)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         t, hd, act = q.shape[0], q.shape[-1], self.act
         cos, sin = self.rope(torch.arange(t, device=q.device))
         cos, sin = cos[:, None, :], sin[:, None, :]
-        q = q * cos + self._rotate_half(q) * sin
-        k = k * cos + self._rotate_half(k) * sin
+        q = self._store(q * cos + self._rotate_half(q) * sin, "sum", lambda: _rope_magnitude(q, cos, sin))
+        k = self._store(k * cos + self._rotate_half(k) * sin, "sum", lambda: _rope_magnitude(k, cos, sin))
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        scores = (torch.einsum("qhd,khd->hqk", q.double(), k.double()) * hd ** -0.5).to(act)
+        scores = self._store(torch.einsum("qhd,khd->hqk", q.double(), k.double()) * hd ** -0.5, "dot",
+                             lambda: torch.einsum("qhd,khd->hqk", q.double().abs(), k.double().abs()) * hd ** -0.5, hd)
         causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~causal, float("-inf"))
-        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(act)
-        return torch.einsum("hqk,khd->qhd", probs.double(), v.double()).to(act).reshape(t, -1)
-
-    def comm_free(self, y: torch.Tensor) -> torch.Tensor:
-        """Round a column-parallel output (no reduction needed) to the activation dtype."""
-        return y.to(self.act)
+        probs = self._store(F.softmax(scores, dim=-1, dtype=torch.float32), "round")
+        o = torch.einsum("hqk,khd->qhd", probs.double(), v.double())
+        return self._store(o, "dot", lambda: torch.einsum("hqk,khd->qhd", probs.double().abs(), v.double().abs()),
+                           t).reshape(t, -1)
 
     def dense_mlp(self, x: torch.Tensor, p: str) -> torch.Tensor:
-        g = self.comm_free(self.linear(x, f"{p}.gate_proj"))
-        u = self.comm_free(self.linear(x, f"{p}.up_proj"))
-        h = (F.silu(g.double()) * u.double()).to(self.act)
-        return self.comm.attn_all_reduce(self.linear(h, f"{p}.down_proj")).to(self.act)
+        g = self._proj(x, f"{p}.gate_proj")
+        u = self._proj(x, f"{p}.up_proj")
+        h = self._store(F.silu(g.double()) * u.double(), "act")
+        return self._proj(h, f"{p}.down_proj", self.comm.attn_all_reduce)
 
     def route(self, x: torch.Tensor, p: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k expert ids and weights: router logits in the activation dtype, then
         :func:`reference_impl.routing.softmax_topk` (fp32 softmax, renormalised when configured)."""
-        logits = (x.double() @ self.w[f"{p}.gate.weight"].double().T).to(self.act)
+        gate = self.w[f"{p}.gate.weight"].double()
+        logits = self._store(x.double() @ gate.T, "router", lambda: x.double().abs() @ gate.abs().T, x.shape[-1])
         if logits.shape[0] == 0:
             empty = torch.zeros(0, self.cfg.top_k, device=x.device)
             return empty.long(), empty.to(self.act)
         ids, weights = softmax_topk(logits, self.cfg.top_k, renormalize=self.cfg.norm_topk_prob)
-        return ids.long(), weights.to(self.act)
+        forced = {row: swap for (layer, row), swap in self.forced_routes.items() if f"layers.{layer}." in p + "."}
+        if forced:  # the other side of a routing near-tie (reference_impl/golden.py): swap one expert
+            ids = ids.clone()
+            for row, (drop, add) in forced.items():
+                ids[row][ids[row] == drop] = add
+            weights = torch.softmax(logits.float(), dim=-1).gather(1, ids.long())
+            if self.cfg.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids.long(), self._store(weights, "round")
 
     def moe(self, x: torch.Tensor, p: str) -> torch.Tensor:
         """Experts owned by this rank contribute; tokens routed elsewhere contribute nothing here. Serving
@@ -354,22 +409,37 @@ class TinyModel:
                 self.prepare()
             out = fused_moe_w4a16(xs, ids, weights, self._experts[p], accum_dtype=torch.float64,
                                   round_intermediate=True, out_dtype=torch.float64)
-        else:
-            out = self._moe_exact(xs, ids, weights, p)
-        return self.comm.moe_all_reduce(out)[mine].to(self.act)
+            return self.comm.moe_all_reduce(out)[mine].to(self.act)
+        out, magnitude = self._moe_exact(xs, ids, weights, p)
+        return self._store(self.comm.moe_all_reduce(out)[mine], "combine", lambda: magnitude[:, mine], self.cfg.top_k,
+                           reduced=True)
 
-    def _moe_exact(self, xs: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, p: str) -> torch.Tensor:
+    def _moe_exact(self, xs: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                   p: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exact experts (fp64; ``_store`` keeps fp64 here) and, with an observer, the magnitudes of the
+        weighted combination: ``sum_k |w_k y_k|`` and ``sum_k |w_k| A_k`` (``A_k`` the down projection's
+        ``|h| @ |W|^T``, which bounds any rank's partial of ``y_k``)."""
         out = torch.zeros(xs.shape[0], xs.shape[1], dtype=torch.float64, device=xs.device)
+        magnitude = torch.zeros(2, *out.shape, dtype=torch.float64, device=xs.device)
         for e in self.local_experts:
             tok, slot = torch.where(ids == e)
             if tok.numel() == 0:
                 continue
             xe = xs[tok]
-            g = self.linear(xe, f"{p}.experts.{e}.gate_proj")
-            u = self.linear(xe, f"{p}.experts.{e}.up_proj")
-            y = self.linear(F.silu(g) * u, f"{p}.experts.{e}.down_proj")  # fp64 partial over the moe-tp slice
-            out.index_add_(0, tok, y * weights[tok, slot].double()[:, None])
-        return out
+            g = self._proj(xe, f"{p}.experts.{e}.gate_proj")
+            u = self._proj(xe, f"{p}.experts.{e}.up_proj")
+            h = self._store(F.silu(g) * u, "act")
+            y = self.linear(h, f"{p}.experts.{e}.down_proj")  # fp64 partial over the moe-tp slice
+            y = self._store(y, "linear", lambda: self.linear_operands(h, f"{p}.experts.{e}.down_proj"), h.shape[-1])
+            contribution = y * weights[tok, slot].double()[:, None]
+            out = out.index_add(0, tok, contribution)
+            if self.observer is not None:
+                with torch.no_grad():
+                    x_abs, w_abs = (t.abs() for t in self.linear_operands(h, f"{p}.experts.{e}.down_proj"))
+                    weight = weights[tok, slot].detach().double().abs()[:, None]
+                    magnitude[0].index_add_(0, tok, contribution.detach().abs())
+                    magnitude[1].index_add_(0, tok, (x_abs @ w_abs.T) * weight)
+        return out, magnitude
 
     # ------------------------------------------------------------------ forward
     def hidden_states(self, seqs: list[torch.Tensor]) -> torch.Tensor:
@@ -381,14 +451,21 @@ class TinyModel:
         x = emb.to(self.act)[ids.to(emb.device)]
         for i in range(self.cfg.num_layers):
             p = f"model.layers.{i}"
-            x = x + self.attention(self.rms_norm(x, f"{p}.input_layernorm.weight"), f"{p}.self_attn", lengths)
+            x = self._store(x + self.attention(self.rms_norm(x, f"{p}.input_layernorm.weight"), f"{p}.self_attn", lengths),
+                            "round")
             h = self.rms_norm(x, f"{p}.post_attention_layernorm.weight")
-            x = x + (self.dense_mlp(h, f"{p}.mlp") if self.cfg.arch == "llama" else self.moe(h, f"{p}.mlp"))
+            x = self._store(x + (self.dense_mlp(h, f"{p}.mlp") if self.cfg.arch == "llama" else self.moe(h, f"{p}.mlp")),
+                            "round")
         return self.rms_norm(x, "model.norm.weight")
 
     def logits(self, seqs: list[torch.Tensor]) -> torch.Tensor:
-        """Logits ``[sum(T_i), V]`` (fp64) of packed sequences."""
-        return self.hidden_states(seqs).double() @ self.w["lm_head.weight"].double().T
+        """Logits ``[sum(T_i), V]`` (fp64) of packed sequences. An engine's LM head writes BF16 logits: with an
+        observer attached they are a store of their own (the model itself returns them unrounded)."""
+        h = self.hidden_states(seqs).double()
+        w = self.w["lm_head.weight"].double()
+        if self.observer is None:
+            return h @ w.T
+        return self.observer("dot", h @ w.T, h.detach().abs() @ w.abs().T, h.shape[-1], False)
 
     def last_logits(self, seqs: list[torch.Tensor]) -> torch.Tensor:
         """Logits ``[len(seqs), V]`` (fp64) at each sequence's last position."""

@@ -1,13 +1,16 @@
-"""Deliberately broken reference servers (and one correct-but-different one) for the server scenarios.
+"""Deliberately broken reference servers (and correct-but-different ones) for the server scenarios.
 
-    python tests/mutant_servers.py --mutant NAME --model-path DIR --port P [server flags]
+    python tests/mutant_servers.py --mutant NAME --model-path DIR --port P [server flags, --tp N too]
 
-Each mutant patches one behaviour of the reference server (single rank) and must be rejected by the named
-scenario in tests/test_server_mutants.py; ``rebinding_reload`` is correct and must be accepted.
+Each mutant patches one behaviour of the reference server and must be rejected by the named scenario in
+tests/test_server_mutants.py; ``rebinding_reload`` and ``fp32_engine`` are correct and must be accepted.
+The patch is applied in every rank (spawned ranks run :func:`_patched_worker` first).
 """
 from __future__ import annotations
 
+import functools
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -17,10 +20,10 @@ import torch  # noqa: E402
 
 from reference_impl.checkpoint import load_checkpoint  # noqa: E402
 from reference_impl.model import TinyModel  # noqa: E402
-from reference_impl.server.__main__ import launch, parse_args  # noqa: E402
+from reference_impl.server.__main__ import main as server_main  # noqa: E402
 from reference_impl.server.app import Scheduler  # noqa: E402
 from reference_impl.server.engine import Engine, GenerateResult  # noqa: E402
-from reference_impl.server.parallel import RankRuntime  # noqa: E402
+from reference_impl.server.parallel import worker_main  # noqa: E402
 
 
 def reload_keeps_old_weights() -> dict:
@@ -125,19 +128,86 @@ def rebinding_reload() -> dict:
     return {}
 
 
+def _patch_logprobs(transform) -> None:
+    original = Engine.generate
+
+    def generate(self, requests):
+        results = original(self, requests)
+        for res in results.values():
+            res.logprobs = transform(list(res.logprobs))
+        return results
+    Engine.generate = generate
+
+
+def logprobs_truncated() -> dict:
+    """Logprobs truncated to integers (a wrongly typed field on the way out): deterministic, so every
+    self-consistency check passes; the values are wrong."""
+    _patch_logprobs(lambda lps: [float(int(x)) for x in lps])
+    return {}
+
+
+def logprobs_of_next_position() -> dict:
+    """Each token reported with the logprob of the token after it (an off-by-one in assembling the
+    output; the last one repeated)."""
+    _patch_logprobs(lambda lps: lps[1:] + lps[-1:])
+    return {}
+
+
+def reload_leaves_attention_stale() -> dict:
+    """A reload that updates every weight except the attention projections (part of the weights stale)."""
+    def commit(self, new):
+        for name, t in self.weights.items():
+            if ".self_attn." not in name:
+                t.copy_(new[name])
+        self.model.prepare()
+    Engine.commit_weights = commit
+    return {}
+
+
+def async_weight_swap() -> dict:
+    """A reload that validates, answers success, and swaps the weights in later (3 s) in the background:
+    requests sent after the reload answered are still served by the old weights."""
+    def update(self, path):
+        try:
+            staged = self.stage_weights(path)
+        except Exception as exc:  # noqa: BLE001
+            return False, f"{type(exc).__name__}: {exc}"
+        timer = threading.Timer(3.0, self.commit_weights, args=(staged,))
+        timer.daemon = True
+        timer.start()
+        self.model_path = path
+        self.weight_version += 1
+        return True, f"Succeeded to update model weights from {path!r}."
+    Engine.update_weights_from_disk = update
+    return {}
+
+
+def fp32_engine() -> dict:
+    """Correct but different arithmetic: a GPU engine's rounding choices (tests/engine_variants.py)."""
+    from tests.engine_variants import ENGINE_METHODS, Fp32EngineModel
+
+    for name in ENGINE_METHODS:
+        setattr(TinyModel, name, getattr(Fp32EngineModel, name))
+    return {}
+
+
 MUTANTS = {f.__name__: f for f in (reload_keeps_old_weights, reload_drops_awq_scale, nondeterministic_reduction,
                                    drops_requests_during_reload, half_loaded_on_failure, batch_dependent_numerics,
-                                   rebinding_reload)}
+                                   rebinding_reload, logprobs_truncated, logprobs_of_next_position,
+                                   reload_leaves_attention_stale, async_weight_swap, fp32_engine)}
+
+
+def _patched_worker(mutant: str, rank: int, cfg) -> None:
+    """Ranks 1..N-1 of a mutant server: the same patch, then the reference worker loop."""
+    MUTANTS[mutant]()
+    worker_main(rank, cfg)
 
 
 def main(argv: list[str]) -> int:
     if len(argv) < 2 or argv[0] != "--mutant" or argv[1] not in MUTANTS:
         raise SystemExit(f"usage: mutant_servers.py --mutant {{{','.join(MUTANTS)}}} SERVER_FLAGS")
-    args = parse_args(argv[2:])
-    if args.tp != 1:
-        raise SystemExit("mutant servers run a single rank (--tp 1): patches do not reach spawned ranks")
-    launch(args, RankRuntime, **MUTANTS[argv[1]]())
-    return 0
+    kwargs = MUTANTS[argv[1]]()
+    return server_main(argv[2:], worker_target=functools.partial(_patched_worker, argv[1]), **kwargs)
 
 
 if __name__ == "__main__":

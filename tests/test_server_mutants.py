@@ -1,5 +1,6 @@
 """Every server scenario can fail: each mutant server (tests/mutant_servers.py) is rejected by the named
-scenario, and the correct-but-different server is accepted by all scenarios it touches."""
+scenario, and the correct-but-different servers (``rebinding_reload``; ``fp32_engine``, an engine's
+arithmetic) are accepted by every scenario, at TP1 and TP2 (gloo on CPU)."""
 from __future__ import annotations
 
 import sys
@@ -8,13 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from conformance.server.launcher import ServerProcess
 from conformance.server.client import ServerClient
-from conformance.server.models import FixtureModel, ensure_fixture_root
-from conformance.server.scenarios import SCENARIOS_BY_ID, fresh_outputs, run_scenario
+from conformance.server.launcher import ServerProcess
+from conformance.server.models import ModelCatalog
+from conformance.server.scenarios import SCENARIOS, SCENARIOS_BY_ID, fresh_outputs, run_scenario
 
 MUTANT_SCRIPT = Path(__file__).resolve().parent / "mutant_servers.py"
-TEMPLATE = "{python} %s --mutant {mutant} --model-path {model_path} --port {port} --device cpu" % MUTANT_SCRIPT
+TEMPLATE = ("{python} %s --mutant {mutant} --model-path {model_path} --tokenizer-path {tokenizer_path} --port {port} "
+            "--tp {tp} --device cpu" % MUTANT_SCRIPT)
+GOLDEN = r"vs the reference's golden outputs of weight set"
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,7 @@ class MutantCase:
     scenario: str
     caught: bool  # True: the scenario must fail; False: it must pass
     match: str = ""
+    tp: int = 1
 
 
 CASES = [
@@ -33,9 +37,9 @@ CASES = [
     MutantCase("keeps-old-weights-reload", "reload_keeps_old_weights", "dense-nvfp4_awq", "reload_same_checkpoint", True,
                r"reload_same_checkpoint \(flush_cache=True\)"),
     MutantCase("drops-awq-scale", "reload_drops_awq_scale", "dense-nvfp4_awq", "reload_same_checkpoint", True,
-               r"reload_same_checkpoint: reloaded dense-nvfp4_awq-a vs the fresh start-up: prompt"),
+               r"reload_same_checkpoint: reloaded dense-nvfp4_awq a vs the fresh start-up: prompt"),
     MutantCase("drops-awq-scale-moe", "reload_drops_awq_scale", "moe-nvfp4_awq", "reload_same_checkpoint", True,
-               r"reload_same_checkpoint: reloaded moe-nvfp4_awq-a vs the fresh start-up: prompt"),
+               r"reload_same_checkpoint: reloaded moe-nvfp4_awq a vs the fresh start-up: prompt"),
     MutantCase("nondeterministic", "nondeterministic_reduction", "dense-nvfp4_awq", "repeated_requests_deterministic", True,
                # the first repeat is the reload-vs-fresh comparison at the scenario's start
                r"repeated_requests_deterministic(: reloaded .* vs the fresh start-up| \(repeat \d\))"),
@@ -47,6 +51,19 @@ CASES = [
                r"failed_reload_corrupt_checkpoint \(old weights must keep serving\)"),
     MutantCase("batch-dependent", "batch_dependent_numerics", "dense-nvfp4_awq", "batch_size_invariance", True,
                r"batch_size_invariance \(alone vs one batched request\)"),
+    # wrong but self-consistent: only the golden outputs see them
+    MutantCase("logprobs-truncated", "logprobs_truncated", "dense-nvfp4_awq", "repeated_requests_deterministic", True,
+               rf"repeated_requests_deterministic: the fresh start-up {GOLDEN} 'a'.*logprob"),
+    MutantCase("logprobs-next-position", "logprobs_of_next_position", "moe-w4a16_nvfp4",
+               "repeated_requests_deterministic", True,
+               rf"repeated_requests_deterministic: the fresh start-up {GOLDEN} 'a'.*logprob"),
+    MutantCase("attention-stale-after-reload", "reload_leaves_attention_stale", "dense-nvfp4_awq",
+               "reload_different_weights", True, rf"reload_different_weights: after reloading b {GOLDEN} 'b'"),
+    MutantCase("attention-stale-after-reload-moe", "reload_leaves_attention_stale", "moe-w4a16_nvfp4",
+               "reload_different_weights", True, rf"reload_different_weights: after reloading b {GOLDEN} 'b'"),
+    MutantCase("async-weight-swap", "async_weight_swap", "dense-nvfp4_awq", "generate_during_reload", True,
+               r"generate_during_reload: request \d+ sent after the reload .* is neither weight set's golden output"),
+    # accepted
     MutantCase("batch-dependent-is-deterministic", "batch_dependent_numerics", "dense-nvfp4_awq",
                "repeated_requests_deterministic", False),
     # the awq mutant is invisible without AWQ scales: the scenario must not fail spuriously
@@ -55,36 +72,58 @@ CASES = [
     MutantCase("rebinding-reload-different", "rebinding_reload", "dense-nvfp4_awq", "reload_different_weights", False),
     MutantCase("rebinding-reload-concurrent", "rebinding_reload", "dense-nvfp4_awq", "generate_during_reload", False),
 ]
+# a correct engine with another arithmetic passes every scenario, at TP1 and TP2 -- except batch invariance,
+# which it does not promise (fp32 GEMMs whose blocking depends on the batch; as `-m "not batch_invariance"`)
+CASES += [MutantCase(f"fp32-engine-tp{tp}-{family}-{s.id}", "fp32_engine", family, s.id, False, tp=tp)
+          for tp in (1, 2) for family in ("dense-nvfp4_awq", "moe-w4a16_nvfp4") for s in SCENARIOS
+          if not (s.needs_tp_baseline and tp == 1) and "batch_invariance" not in s.marks]
+
+
+MAX_LIVE = 3  # servers kept running per worker (cases are ordered and grouped by server)
 
 
 @pytest.fixture(scope="module")
 def servers():
-    root = ensure_fixture_root(None)
-    live: dict[tuple[str, str], ServerProcess] = {}
-    fresh: dict[tuple[str, str], list] = {}
+    catalog = ModelCatalog([], None, [], None)
+    live: dict[tuple, ServerProcess] = {}  # insertion order = least recently used first
+    fresh: dict[tuple, list] = {}
 
-    def get(mutant: str, family: str):
-        model = FixtureModel(family, root)
-        key = (mutant, family)
-        if key not in live:
-            live[key] = ServerProcess(TEMPLATE, 240.0, mutant=mutant, model_path=model.a)
+    def get(mutant: str, family: str, tp: int):
+        model = catalog.served(family)
+        key = (mutant, family, tp)
+        if key in live:
+            live[key] = live.pop(key)
+        else:
+            while len(live) >= MAX_LIVE:
+                live.pop(next(iter(live))).stop()
+            live[key] = ServerProcess(TEMPLATE, 240.0, mutant=mutant, model_path=model.a,
+                                      tokenizer_path=model.tokenizer, tp=tp)
             fresh[key] = fresh_outputs(ServerClient(live[key].url))
-        return ServerClient(live[key].url), model, fresh[key]
+        truths = {s: catalog.truth(model, s) for s in ("a", "b")}
+        return ServerClient(live[key].url), model, truths, fresh[key]
 
     yield get
     for server in live.values():
         server.stop()
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_mutant_server(servers, case: MutantCase):
-    client, model, fresh = servers(case.mutant, case.family)
+def _param(case: MutantCase):
+    # one xdist group per mutant and model: under `--dist loadgroup` a server starts in one worker only
+    return pytest.param(case, id=case.id, marks=pytest.mark.xdist_group(f"mutant-{case.mutant}-{case.family}"))
+
+
+@pytest.mark.parametrize("case", [_param(c) for c in CASES])
+def test_mutant_server(servers, case: MutantCase, record_property):
+    client, model, truths, fresh = servers(case.mutant, case.family, case.tp)
     scenario = SCENARIOS_BY_ID[case.scenario]
+    baseline = servers(case.mutant, case.family, 1)[0] if scenario.needs_tp_baseline else None
+    run = lambda: run_scenario(scenario, client, model, truths, baseline, case.tp, timeout_s=120, fresh=fresh)  # noqa: E731
     if case.caught:
         with pytest.raises(AssertionError, match=case.match):
-            run_scenario(scenario, client, model, timeout_s=90, fresh=fresh)
+            run()
     else:
-        run_scenario(scenario, client, model, timeout_s=90, fresh=fresh)
+        result = run()
+        record_property("bound_ratio", round(result.worst_ratio, 4))
 
 
 def test_mutant_script_rejects_unknown_mutant():
@@ -96,8 +135,7 @@ def test_mutant_script_rejects_unknown_mutant():
 
 # ----------------------------------------------------------------------------------------- tp_agreement
 class _FakeServer:
-    """A stand-in client returning fixed greedy outputs (mutant servers run a single rank, so TP mutants
-    are emulated at the client level)."""
+    """A stand-in client returning fixed greedy outputs (TP mutants emulated at the client level)."""
 
     def __init__(self, outputs):
         self.outputs = outputs
@@ -115,30 +153,31 @@ class _FakeServer:
         return self.outputs[: len(prompts)]
 
 
-def _outputs(shift: float, diverge_at: int | None = None):
+def _golden_outputs(truth, shift: float = 0.0, diverge_at: int | None = None):
+    """The golden outputs themselves (what a perfect server returns), optionally shifted."""
     from conformance.server.client import Generation
-    from conformance.server.scenarios import PROMPTS
 
-    outs = []
-    for _ in PROMPTS:
-        ids = [5, 6, 7, 8, 9, 10, 11, 12]
+    g, outs = truth.golden, []
+    for i in range(len(g.prompt_ids)):
+        ids = [int(t) for t in g.output_ids[i]]
+        lps = [float(x) + shift for x in g.logprobs[i]]
         if diverge_at is not None:
-            ids[diverge_at] = 99
-        outs.append(Generation("x", tuple(ids), tuple(-1.0 + shift for _ in ids)))
+            ids[diverge_at] = int(g.top_ids[i, diverge_at, 1])
+        outs.append(Generation("x", tuple(ids), tuple(lps), None, len(g.prompt_ids[i])))
     return outs
 
 
-@pytest.mark.parametrize("shift,diverge_at,caught", [(0.0, None, False), (0.05, 3, False), (2.0, None, True)],
-                         ids=["identical", "divergence-within-bound", "beyond-bound"])
-def test_tp_agreement_bound(shift, diverge_at, caught):
-    from conformance.server.scenarios import SCENARIOS_BY_ID
-
-    root = ensure_fixture_root(None)
-    model = FixtureModel("dense-nvfp4_awq", root)
-    tpn, tp1 = _FakeServer(_outputs(shift, diverge_at)), _FakeServer(_outputs(0.0))
-    run = lambda: run_scenario(SCENARIOS_BY_ID["tp_agreement"], tpn, model, baseline=tp1, tp=2, timeout_s=60)  # noqa: E731
+@pytest.mark.parametrize("shift,caught", [(0.0, False), (2.0, True)], ids=["identical", "beyond-bound"])
+def test_tp_agreement_bound(shift, caught):
+    catalog = ModelCatalog([], None, [], None)
+    model = catalog.served("dense-nvfp4_awq")
+    truths = {s: catalog.truth(model, s) for s in ("a", "b")}
+    tp1 = _FakeServer(_golden_outputs(truths["a"]))
+    tpn = _FakeServer(_golden_outputs(truths["a"], shift))
+    run = lambda: run_scenario(SCENARIOS_BY_ID["tp_agreement"], tpn, model, truths, baseline=tp1, tp=2,  # noqa: E731
+                               timeout_s=60)
     if caught:
-        with pytest.raises(AssertionError, match=r"tp_agreement: prompt .* token 0: TP2 logprob .* > bound"):
+        with pytest.raises(AssertionError, match=r"tp_agreement: TP2 vs the reference's golden outputs"):
             run()
     else:
         run()

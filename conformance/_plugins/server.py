@@ -3,19 +3,21 @@
     pytest conformance/test_server_scenarios.py                       # reference server, every tier
     pytest conformance/test_server_scenarios.py --server-cmd "python -m sglang.launch_server \
         --model-path {model_path} --port {port} --tp {tp} --dp {dp} --ep {ep}" --server-configs tp1,tp4-dp4-ep4
+    pytest conformance/test_server_scenarios.py --server-checkpoint /ckpts/llama-nvfp4 --tokenizer /hf/llama
     pytest conformance/test_server_scenarios.py --server-url http://127.0.0.1:30000 \
         --server-model-path fixtures/checkpoints/dense-nvfp4_awq-a
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
 from ..server.configs import ServerConfig, parse_configs, reference_configs
 from ..server.launcher import REFERENCE_TEMPLATE, ServerProcess, ServerStartError
 from ..server.client import ServerClient
-from ..server.models import DEFAULT_MODELS, FixtureModel, ensure_fixture_root
+from ..server.models import DEFAULT_MODELS, ModelCatalog, ModelError, ServedModel, remove_work_dir, work_dir
 from ..server.scenarios import SCENARIOS, Scenario, fresh_outputs, run_scenario
 
 ATTACHED = ServerConfig(1, device="attached", tier="cpu")
@@ -31,29 +33,58 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help="with --server-url: the fixture checkpoint (<family>-a) it serves (default: from /get_model_info)")
     g.addoption("--server-models", default=",".join(DEFAULT_MODELS),
                 help=f"fixture families to serve (default {','.join(DEFAULT_MODELS)})")
+    g.addoption("--server-checkpoint", action="append", default=[], metavar="PATH",
+                help="serve your own ModelOpt NVFP4 / NVFP4_AWQ / W4A16_NVFP4 checkpoint (HF layout; repeatable) "
+                     "instead of the fixtures; it is only read: the second weight set and the corrupt checkpoint "
+                     "are derived into a temporary directory the suite removes")
+    g.addoption("--tokenizer", default=None, metavar="PATH",
+                help="tokenizer.json (or a directory holding one) for --server-checkpoint checkpoints without one")
     g.addoption("--server-configs", default=None,
                 help="parallel configs, e.g. 'tp1,tp2,tp4-dp4-ep4' or 'cpu-tp2' (default: the reference "
                      "server's per-tier list; with --server-cmd: tp1 on CUDA)")
     g.addoption("--server-gpus", type=int, default=None, help="GPU count for the multi_gpu configs (default: detected)")
     g.addoption("--server-timeout", type=float, default=None, help="time limit per scenario in seconds (default 120)")
     g.addoption("--server-start-timeout", type=float, default=240.0, help="time limit for a server to become healthy")
-    g.addoption("--server-checkpoints", default=None, help="fixture checkpoint directory (default fixtures/checkpoints)")
+    g.addoption("--server-checkpoints", default=None,
+                help="a fixture build made with `python fixtures/make_checkpoints.py --out DIR` (read only; "
+                     "default: fixtures/checkpoints, built on first use)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "batch_invariance: needs batch-size invariant logprobs (not every engine promises it)")
     config.addinivalue_line("markers", "server_scenario: starts or attaches to an inference server")
+    if getattr(config.option, "dist", None) == "load":
+        # `-n N` alone means "load"; with "loadgroup" (the same for tests without a group) each server's
+        # scenarios run in one worker, so a server starts once instead of once per worker
+        config.option.dist = "loadgroup"
+    checkpoints = config.getoption("--server-checkpoint")
+    if config.getoption("--tokenizer") and not checkpoints:
+        raise pytest.UsageError("--tokenizer applies to --server-checkpoint checkpoints (the fixtures have their own)")
+    if checkpoints and config.getoption("--server-url") and len(checkpoints) != 1:
+        raise pytest.UsageError("--server-url serves one checkpoint: give one --server-checkpoint")
+    try:  # clear errors at start, before any server: a missing or unfitting tokenizer, not a checkpoint
+        ModelCatalog([], None, checkpoints, config.getoption("--tokenizer")).check_user_checkpoints()
+    except ModelError as exc:
+        raise pytest.UsageError(str(exc)) from exc
+    if checkpoints and not hasattr(config, "workerinput"):
+        # the controller owns the work directory; pytest-xdist workers inherit its path
+        config._nvfp4_server_work_dir = work_dir()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if getattr(config, "_nvfp4_server_work_dir", None) is not None:  # the controller: workers are done
+        remove_work_dir()
 
 
 @dataclass(frozen=True)
 class ServerCase:
     config: ServerConfig
-    family: str
+    model: str
     scenario: Scenario
 
     @property
     def id(self) -> str:
-        return f"{self.config.id}-{self.family}-{self.scenario.id}"
+        return f"{self.config.id}-{self.model}-{self.scenario.id}"
 
     @property
     def tier(self) -> str:
@@ -79,11 +110,19 @@ def _configs(config: pytest.Config) -> list[ServerConfig]:
     return reference_configs(gpus)
 
 
-def _families(config: pytest.Config) -> list[str]:
-    if config.getoption("--server-url"):
+def _catalog(config: pytest.Config) -> ModelCatalog:
+    families = [f for f in config.getoption("--server-models").split(",") if f]
+    root = config.getoption("--server-checkpoints")
+    if config.getoption("--server-url") and not config.getoption("--server-checkpoint"):
         path = config.getoption("--server-model-path")
-        return [FixtureModel.from_checkpoint_path(path).family] if path else ["attached"]
-    return [f for f in config.getoption("--server-models").split(",") if f]
+        if path:  # a fixture checkpoint <family>-a in some build directory
+            p = Path(path)
+            if not p.name.endswith("-a"):
+                raise pytest.UsageError(f"--server-model-path {path!r} is not a fixture checkpoint <family>-a")
+            families, root = [p.name[:-2]], str(p.parent)
+        else:
+            families = ["attached"]
+    return ModelCatalog(families, root, config.getoption("--server-checkpoint"), config.getoption("--tokenizer"))
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -91,21 +130,21 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         return
     params = []
     for cfg in _configs(metafunc.config):
-        for family in _families(metafunc.config):
+        for name in _catalog(metafunc.config).names():
             for scenario in SCENARIOS:
                 if scenario.needs_tp_baseline and (cfg.world == 1 or cfg is ATTACHED):
                     continue
-                case = ServerCase(cfg, family, scenario)
+                case = ServerCase(cfg, name, scenario)
                 # one xdist group per server: with `-n N --dist loadgroup` each server starts once
                 marks = [getattr(pytest.mark, cfg.tier), pytest.mark.server_scenario,
-                         pytest.mark.xdist_group(f"server-{cfg.id}-{family}")]
+                         pytest.mark.xdist_group(f"server-{cfg.id}-{name}")]
                 marks += [getattr(pytest.mark, m) for m in scenario.marks]
                 params.append(pytest.param(case, id=case.id, marks=marks))
     metafunc.parametrize("server_case", params)
 
 
 class ServerPool:
-    """Servers started on demand, one per (config, checkpoint family), stopped at session end."""
+    """Servers started on demand, one per (config, model), stopped at session end."""
 
     def __init__(self, config: pytest.Config):
         self.pconfig = config
@@ -113,26 +152,26 @@ class ServerPool:
         self.url = config.getoption("--server-url")
         self.start_timeout = config.getoption("--server-start-timeout")
         self.timeout = config.getoption("--server-timeout")
-        self._root = None
+        self.catalog = _catalog(config)
         self._servers: dict[tuple[str, str], ServerProcess] = {}
         self._failed: dict[tuple[str, str], str] = {}
         self._fresh: dict[tuple[str, str], list] = {}
 
-    def root(self):
-        if self._root is None:
-            self._root = ensure_fixture_root(self.pconfig.getoption("--server-checkpoints"))
-        return self._root
+    def model(self, name: str) -> ServedModel:
+        try:
+            if name == "attached":  # a fixture checkpoint <family>-a, as the running server reports it
+                path = Path(ServerClient(self.url).model_info()["model_path"])
+                if not path.name.endswith("-a"):
+                    pytest.fail(f"the attached server serves {path}, not a fixture checkpoint <family>-a: pass "
+                                f"--server-checkpoint {path} (and --tokenizer) instead", pytrace=False)
+                self.catalog = ModelCatalog([path.name[:-2]], str(path.parent), [], None)
+                name = path.name[:-2]
+            return self.catalog.served(name)
+        except ModelError as exc:
+            pytest.fail(str(exc), pytrace=False)
 
-    def model(self, family: str) -> FixtureModel:
-        if family == "attached":
-            info = ServerClient(self.url).model_info()
-            return FixtureModel.from_checkpoint_path(info["model_path"])
-        if self.url:
-            return FixtureModel.from_checkpoint_path(self.pconfig.getoption("--server-model-path"))
-        return FixtureModel(family, self.root())
-
-    def client(self, cfg: ServerConfig, model: FixtureModel) -> ServerClient:
-        key = (cfg.id, model.family)
+    def client(self, cfg: ServerConfig, model: ServedModel) -> ServerClient:
+        key = (cfg.id, model.name)
         if cfg is ATTACHED:
             client = ServerClient(self.url)
             if key not in self._fresh:
@@ -143,8 +182,9 @@ class ServerPool:
         server = self._servers.get(key)
         if server is None or server.proc.poll() is not None:
             try:
-                server = ServerProcess(self.template, self.start_timeout, model_path=model.a, tp=cfg.tp, dp=cfg.dp,
-                                       ep=cfg.ep, device=cfg.device)
+                server = ServerProcess(self.template, self.start_timeout, model_path=model.a,
+                                       tokenizer_path=model.tokenizer, tp=cfg.tp, dp=cfg.dp, ep=cfg.ep,
+                                       device=cfg.device)
             except ServerStartError as exc:
                 self._failed[key] = str(exc)
                 raise
@@ -154,12 +194,19 @@ class ServerPool:
             return client
         return ServerClient(server.url)
 
-    def run(self, case: ServerCase) -> None:
-        model = self.model(case.family)
+    def run(self, case: ServerCase, record_property=None) -> None:
+        model = self.model(case.model)
+        try:
+            truths = {s: self.catalog.truth(model, s) for s in ("a", "b")}
+        except ModelError as exc:
+            pytest.fail(str(exc), pytrace=False)
         client = self.client(case.config, model)
         baseline = self.client(case.config.single_rank(), model) if case.scenario.needs_tp_baseline else None
-        fresh = self._fresh.get((case.config.id, model.family))
-        run_scenario(case.scenario, client, model, baseline, case.config.tp, self.timeout, fresh)
+        fresh = self._fresh.get((case.config.id, model.name))
+        result = run_scenario(case.scenario, client, model, truths, baseline, case.config.tp, self.timeout, fresh)
+        if record_property is not None:
+            record_property("golden_tokens_compared", result.compared)
+            record_property("bound_ratio", round(result.worst_ratio, 4))
 
     def stop_all(self) -> None:
         for server in self._servers.values():

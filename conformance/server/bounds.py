@@ -1,4 +1,4 @@
-"""Tolerances of the server scenarios, each with its derivation.
+"""Tolerances of the server scenarios, each with its derivation (``golden_bound``: at the end of this module).
 
 ``RELOAD_LOGPROB_TOL``: the upstream engine's own reload test (SGLang, TestServerUpdateWeightsFromDiskNVFP4
 W4A16CuteDSL) accepts per-token logprob differences up to 1e-4 after reloading the same checkpoint; we keep
@@ -23,3 +23,42 @@ RELOAD_LOGPROB_TOL = 1e-4
 
 def tp_logprob_bound(num_layers: int, tp: int, max_abs_logit: float) -> float:
     return 2.0 * (2 * num_layers * tp * BF16_UNIT_ROUNDOFF) * max_abs_logit
+
+
+# ----------------------------------------------------------------------------------------- golden outputs
+#: Unit roundoffs of the error model of reference_impl/golden.py: BF16 stores (8 significant bits) and fp32
+#: accumulation (one ulp per addition: tensor cores truncate, see conformance/bounds.py's U_ACCUM).
+GOLDEN_U_BF16 = 2.0 ** -8
+GOLDEN_U_ACCUM = 2.0 ** -23
+#: Hoeffding multiplier: P(a correct engine's deviation exceeds the bound) <= 2 exp(-LAMBDA^2 / 2) = 3.0e-8
+#: per compared quantity, so a full run (~10^4 comparisons) fails falsely with probability < 1e-3.
+GOLDEN_LAMBDA = 6.0
+GOLDEN_TP_SIZES = (2, 4, 8)
+
+
+def golden_bound(variance, tp: int = 1):
+    """Bound on ``|engine - golden|`` of a quantity (logprob, logit gap, router-logit gap) with variance
+    proxies ``variance[..., (bf16, accum, tp2, tp4, tp8)]`` from :mod:`reference_impl.golden`.
+
+    Derivation. To first order an engine's value differs from the exact one (fp64, no rounding) by
+    ``sum_i s_i e_i``, one term per rounding it makes: ``s_i`` is the sensitivity (the reference's exact
+    gradient), ``|e_i| <= u c_i`` the rounding's bound (``u = 2^-8`` for a BF16 store, ``2^-23`` for an fp32
+    addition; ``c_i`` the magnitude of the rounded quantity: the stored value, the dequantized weight,
+    ``sum |x w|`` of a dot product; see the module docstring of reference_impl/golden.py). With rounding
+    errors independent and mean zero (Higham and Mary 2019, the model behind probabilistic rounding error
+    analysis), Hoeffding's inequality bounds the sum by ``LAMBDA * sqrt(sum_i (u s_i c_i)^2)`` except with
+    probability ``2 exp(-LAMBDA^2 / 2)``. The variance proxies are ``sum_i (s_i c_i)^2`` per unit; at TPn the
+    ``tpN`` proxy adds each rank's partial sum and the all-reduce's running sums, rounded to BF16 (TP sizes
+    other than 2, 4, 8 use the next larger one). The reference's own BF16 path (one such engine) sits at
+    about a tenth of this bound on the fixtures (tests/test_server_golden.py records the ratio).
+    """
+    import torch
+
+    v = torch.as_tensor(variance, dtype=torch.float64)
+    extra = torch.zeros_like(v[..., 0])
+    if tp > 1:
+        larger = [t for t in GOLDEN_TP_SIZES if t >= tp]
+        if not larger:
+            raise ValueError(f"golden bounds cover tensor parallelism up to {GOLDEN_TP_SIZES[-1]}, got {tp}")
+        extra = v[..., 2 + GOLDEN_TP_SIZES.index(larger[0])]
+    return GOLDEN_LAMBDA * torch.sqrt(GOLDEN_U_BF16 ** 2 * (v[..., 0] + extra) + GOLDEN_U_ACCUM ** 2 * v[..., 1])

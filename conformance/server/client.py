@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
-import httpx
+import requests
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -27,12 +27,14 @@ class Deadline:
 
 @dataclass(frozen=True)
 class Generation:
-    """One generated sequence: text, token ids, per-token logprobs (None when not requested)."""
+    """One generated sequence: text, token ids, per-token logprobs (None when not requested), and the
+    prompt length the server reports (``meta_info.prompt_tokens``; None when it does not)."""
 
     text: str
     ids: tuple[int, ...]
     logprobs: tuple[float, ...] | None
     finish_reason: object = None
+    prompt_tokens: int | None = None
 
     @classmethod
     def from_json(cls, d: dict) -> "Generation":
@@ -45,7 +47,9 @@ class Generation:
             if [e[1] for e in lps] != list(ids):
                 raise AssertionError(f"output_token_logprobs token ids {[e[1] for e in lps]} != output_ids {ids}")
             lps = tuple(float(e[0]) for e in lps)
-        return cls(d["text"], tuple(ids or ()), lps, meta.get("finish_reason"))
+        prompt_tokens = meta.get("prompt_tokens")
+        return cls(d["text"], tuple(ids or ()), lps, meta.get("finish_reason"),
+                   int(prompt_tokens) if isinstance(prompt_tokens, int) else None)
 
 
 class ServerClient:
@@ -56,7 +60,8 @@ class ServerClient:
         self.base_url = base_url.rstrip("/")
         self.deadline = deadline
         self.max_request_s = max_request_s
-        self._http = httpx.Client(base_url=self.base_url, trust_env=False)
+        self._http = requests.Session()
+        self._http.trust_env = False  # never through a proxy: the server is local
 
     def with_deadline(self, deadline: Deadline) -> "ServerClient":
         return ServerClient(self.base_url, deadline, self.max_request_s)
@@ -68,23 +73,27 @@ class ServerClient:
         left = self.deadline.remaining() if self.deadline else self.max_request_s
         return max(0.1, min(left, self.max_request_s))
 
-    def _post(self, path: str, body: dict | None = None) -> httpx.Response:
+    def _post(self, path: str, body: dict | None = None) -> requests.Response:
         try:
-            return self._http.post(path, json=body if body is not None else {}, timeout=self._timeout())
-        except httpx.TimeoutException as exc:
+            return self._http.post(self.base_url + path, json=body if body is not None else {}, timeout=self._timeout())
+        except requests.Timeout as exc:
             raise AssertionError(f"POST {path} timed out (request lost or server hung)") from exc
+        except requests.ConnectionError as exc:
+            raise AssertionError(f"POST {path}: connection failed (server gone?): {exc}") from exc
 
-    def _get(self, path: str) -> httpx.Response:
+    def _get(self, path: str) -> requests.Response:
         try:
-            return self._http.get(path, timeout=self._timeout())
-        except httpx.TimeoutException as exc:
+            return self._http.get(self.base_url + path, timeout=self._timeout())
+        except requests.Timeout as exc:
             raise AssertionError(f"GET {path} timed out") from exc
+        except requests.ConnectionError as exc:
+            raise AssertionError(f"GET {path}: connection failed (server gone?): {exc}") from exc
 
     # ------------------------------------------------------------------ endpoints
     def healthy(self) -> bool:
         try:
-            return self._http.get("/health", timeout=2.0).status_code == 200
-        except httpx.HTTPError:
+            return self._http.get(self.base_url + "/health", timeout=2.0).status_code == 200
+        except requests.RequestException:
             return False
 
     def model_info(self) -> dict:
@@ -92,7 +101,7 @@ class ServerClient:
         r.raise_for_status()
         return r.json()
 
-    def generate_raw(self, body: dict) -> httpx.Response:
+    def generate_raw(self, body: dict) -> requests.Response:
         return self._post("/generate", body)
 
     def generate(self, prompts: list[str] | str, sampling_params: dict, return_logprob: bool = True) -> list[Generation]:

@@ -1,8 +1,10 @@
 """Start an engine's server from a command template and always clean it up.
 
-Template placeholders: ``{python}`` (this interpreter), ``{model_path}``, ``{port}``, ``{tp}``, ``{dp}``,
-``{ep}``, ``{device}``. The server runs in its own process group (it may spawn ranks); ``stop`` sends
-SIGTERM to the group, waits, then SIGKILL. Its output goes to a log file, quoted when start-up fails.
+Template placeholders: ``{python}`` (this interpreter), ``{model_path}``, ``{tokenizer_path}`` (the
+tokenizer.json the prompts are encoded with), ``{port}``, ``{tp}``, ``{dp}``, ``{ep}``, ``{device}``. The
+server runs in its own process group (it may spawn ranks); ``stop`` sends SIGTERM to the group, waits, then
+SIGKILL. Its output goes to a log file, quoted when start-up fails: a server process that exits during
+start-up is reported at once (polled every 0.2 s), not after the start timeout.
 """
 from __future__ import annotations
 
@@ -19,8 +21,8 @@ from pathlib import Path
 
 from .client import ServerClient
 
-REFERENCE_TEMPLATE = ("{python} -m reference_impl.server --model-path {model_path} --port {port} "
-                      "--tp {tp} --dp {dp} --ep {ep} --device {device}")
+REFERENCE_TEMPLATE = ("{python} -m reference_impl.server --model-path {model_path} --tokenizer-path {tokenizer_path} "
+                      "--port {port} --tp {tp} --dp {dp} --ep {ep} --device {device}")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _LIVE: set["ServerProcess"] = set()
 
@@ -36,7 +38,8 @@ class ServerStartError(RuntimeError):
 
 
 class ServerProcess:
-    def __init__(self, template: str, start_timeout_s: float = 180.0, **values):
+    def __init__(self, template: str, start_timeout_s: float = 180.0, env: dict[str, str] | None = None, **values):
+        """``env``: extra environment variables; a ``PYTHONPATH`` given there goes first on the path."""
         self.port = free_port()
         fields = {"python": shlex.quote(sys.executable), "port": self.port, **values}
         try:
@@ -46,8 +49,12 @@ class ServerProcess:
                                    f"known: {sorted(fields)}") from exc
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="nvfp4-server-", suffix=".log", delete=False)
+        extra = dict(env or {})
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [extra.pop("PYTHONPATH", None), str(REPO_ROOT),
+                                                          env.get("PYTHONPATH")]))
+        env.update(extra)
+        self.started_at = time.monotonic()
         self.proc = subprocess.Popen(shlex.split(self.command), stdout=self.log, stderr=subprocess.STDOUT,
                                      cwd=REPO_ROOT, env=env, start_new_session=True)
         _LIVE.add(self)
@@ -59,36 +66,47 @@ class ServerProcess:
         try:
             while time.monotonic() < end:
                 if self.proc.poll() is not None:
-                    raise ServerStartError(f"server exited with code {self.proc.returncode} during start-up\n"
-                                           f"command: {self.command}\n{self.log_tail()}")
+                    code = self.proc.returncode
+                    self.stop(grace_s=2.0)  # ranks it spawned may still be alive
+                    raise ServerStartError(f"server exited with code {code} during start-up, "
+                                           f"{time.monotonic() - self.started_at:.1f} s after launch\n"
+                                           f"command: {self.command}\nlog ({self.log.name}):\n{self.log_tail()}")
                 if client.healthy():
                     return
                 time.sleep(0.2)
         finally:
             client.close()
         self.stop()
-        raise ServerStartError(f"server not healthy after {timeout_s:.0f} s\ncommand: {self.command}\n{self.log_tail()}")
+        raise ServerStartError(f"server not healthy after {timeout_s:.0f} s\ncommand: {self.command}\n"
+                               f"log ({self.log.name}):\n{self.log_tail()}")
 
-    def log_tail(self, chars: int = 3000) -> str:
+    def log_tail(self, chars: int = 3000, traceback_chars: int = 12000) -> str:
+        """The end of the log; from the start of its last traceback when that is not too far back."""
         try:
-            return Path(self.log.name).read_text()[-chars:]
+            text = Path(self.log.name).read_text(errors="replace")
         except OSError:
             return "(no log)"
+        start = text.rfind("Traceback (most recent call last)")
+        if start >= 0 and len(text) - start <= traceback_chars:
+            return text[start:]
+        return text[-chars:]
 
     def stop(self, grace_s: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.proc.wait(5)
+        """SIGTERM the server's process group, SIGKILL what is left after ``grace_s`` (also when the main
+        process has already exited: its ranks may not have)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(5)
         _LIVE.discard(self)
         self.log.close()
 

@@ -72,11 +72,25 @@ class Detokenizer:
         return self.tokenizer.encode(text).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        """Text of ``ids``. An id the tokenizer does not have (a tokenizer smaller than the model's vocabulary)
+        is written as ``<|token_id=N|>``: it is never silently dropped (``tokenizers`` would drop it)."""
+        size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        parts, run = [], []
+        for t in map(int, ids):
+            if 0 <= t < size:
+                run.append(t)
+                continue
+            if run:
+                parts.append(self.tokenizer.decode(run, skip_special_tokens=skip_special_tokens))
+                run = []
+            parts.append(f"<|token_id={t}|>")
+        if run or not parts:
+            parts.append(self.tokenizer.decode(run, skip_special_tokens=skip_special_tokens))
+        return "".join(parts)
 
     def token_text(self, token_id: int) -> str:
         """One token's text, special tokens included (as transformers' batch_decode of single ids)."""
-        return self.tokenizer.decode([int(token_id)], skip_special_tokens=False)
+        return self.decode([token_id], skip_special_tokens=False)
 
     def finish(self, res: GenerateResult, opts: TextOptions) -> Completion:
         ids, finish = list(res.output_ids), res.finish_reason
