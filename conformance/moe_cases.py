@@ -191,13 +191,13 @@ def build_inputs(case: MoECase, device: torch.device | str | None = None) -> tup
             logits = logits.masked_fill(blocked, -1e4)
         ids, w = softmax_topk(logits, case.top_k, renormalize=case.routing != "softmax")
     if case.routing == "duplicate_ids":
-        ids, w = _duplicate_slots(ids, w, g)
+        ids, w = duplicate_slots(ids, w, g)
     elif case.routing == "padding_ids":
-        ids, w = _padding_slots(ids, w, g)
+        ids, w = padding_slots(ids, w, g)
     return x, ids, w
 
 
-def _duplicate_slots(ids: torch.Tensor, w: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def duplicate_slots(ids: torch.Tensor, w: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Half the tokens name their first expert again in their last slot (every slot keeps its own weight; with
     top-k >= 4 a quarter also in slot 1: three times). Both slots count (docs/moe.md)."""
     ids = ids.clone()
@@ -210,7 +210,7 @@ def _duplicate_slots(ids: torch.Tensor, w: torch.Tensor, g: torch.Generator) -> 
     return ids, w
 
 
-def _padding_slots(ids: torch.Tensor, w: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def padding_slots(ids: torch.Tensor, w: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """A quarter of the slots and every 8th token entirely (a padded row) get id -1; their weights are NaN,
     standing for the uninitialised memory engines leave there (a skipped slot's weight is never read)."""
     skipped = torch.rand(ids.shape, generator=g, device=ids.device) < 0.25
