@@ -250,12 +250,12 @@ def _cpu_cases() -> list[MoECase]:
     c.append(MoECase("t515_e256_k8_ep2_relu2", "cpu", 515, 256, 8, 128, 64, ep_size=2, activation="relu2",
                      routing="sigmoid_bias"))
     # Routing inputs engines send (contract: docs/moe.md).
-    c.append(MoECase("t64_e8_k2_duplicate_ids", "cpu", 64, 8, 2, 128, 64, routing="duplicate_ids"))
-    c.append(MoECase("t64_e16_k4_duplicate_ids_ep2", "cpu", 64, 16, 4, 128, 64, routing="duplicate_ids", ep_size=2))
-    c.append(MoECase("t64_e8_k2_padding_ids", "cpu", 64, 8, 2, 128, 64, routing="padding_ids"))
+    c.append(MoECase("t32_e8_k2_duplicate_ids", "cpu", 32, 8, 2, 128, 64, routing="duplicate_ids"))
+    c.append(MoECase("t32_e16_k4_duplicate_ids_ep2", "cpu", 32, 16, 4, 128, 64, routing="duplicate_ids", ep_size=2))
+    c.append(MoECase("t32_e8_k2_padding_ids", "cpu", 32, 8, 2, 128, 64, routing="padding_ids"))
     c.append(MoECase("t64_e16_k4_padding_ids_ep4", "cpu", 64, 16, 4, 128, 64, routing="padding_ids", ep_size=4))
     c.append(MoECase("t32_e8_k4_all_slots_one_expert", "cpu", 32, 8, 4, 128, 64, routing="all_slots_one_expert"))
-    c.append(MoECase("t64_e16_k2_rank0_only_ep4", "cpu", 64, 16, 2, 128, 64, routing="rank0_only", ep_size=4))
+    c.append(MoECase("t32_e16_k2_rank0_only_ep4", "cpu", 32, 16, 2, 128, 64, routing="rank0_only", ep_size=4))
     # Activations outside FP16's range (W4A16 keeps them BF16).
     c.append(MoECase("t32_e8_k2_x_beyond_fp16", "cpu", 32, 8, 2, 128, 64, x_kind="beyond_fp16"))
     c.append(MoECase("t32_e8_k2_x_below_fp16_normal", "cpu", 32, 8, 2, 128, 64, x_kind="below_fp16_normal"))

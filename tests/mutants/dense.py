@@ -339,21 +339,25 @@ class Fp64Accumulation(PlainDense):
 
 
 class TruncatingFp32Accumulation(PlainDense):
-    """Tensor-core-like accumulation: exact products, each fp32 addition rounded toward zero (the adders align
-    and truncate), in K order; then alpha and one round-to-nearest to bf16."""
+    """Tensor-core-like accumulation: each MMA step sums a block of 16 products exactly (the wide internal
+    adder) and adds it to the fp32 accumulator rounding toward zero (the adders align and truncate); then
+    alpha and one round-to-nearest to bf16."""
+
+    mma_k = 16
 
     def gemm(self, x, w):
         acc = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float64)
-        for k in range(x.shape[1]):
-            acc = _fp32_toward_zero(acc + x[:, k : k + 1].double() * w[:, k].double())
+        for s in range(0, x.shape[1], self.mma_k):
+            block = x[:, s : s + self.mma_k].double() @ w[:, s : s + self.mma_k].double().T  # exact products
+            acc = _fp32_toward_zero(acc + block)
         return acc.float()
 
 
 def _fp32_toward_zero(v: torch.Tensor) -> torch.Tensor:
-    """fp64 values rounded to fp32 toward zero (as fp64)."""
+    """fp64 values rounded to fp32 toward zero (returned as fp64); inf and NaN stay as they are."""
     nearest = v.float()
-    overshoot = nearest.double().abs() > v.abs()
-    return torch.where(overshoot, torch.nextafter(nearest, torch.zeros_like(nearest)), nearest).double()
+    away = torch.isfinite(nearest) & (nearest.double().abs() > v.abs())
+    return torch.where(away, torch.nextafter(nearest, torch.zeros_like(nearest)), nearest).double()
 
 
 VARIANTS: tuple[type[PlainDense], ...] = (
