@@ -37,5 +37,5 @@ def test_modelopt_quantizer_installed_with_its_cpu_dependencies():
 
     assert version("nvidia-modelopt") == MODELOPT_VERSION
     assert any(str(f) == "modelopt/torch/quantization/qtensor/nvfp4_tensor.py" for f in files("nvidia-modelopt"))
-    missing = [m for m in ("omegaconf", "pulp", "scipy", "pydantic", "regex", "rich", "yaml") if find_spec(m) is None]
+    missing = [m for m in ("omegaconf", "pulp", "scipy", "pydantic", "regex", "rich", "yaml", "requests", "huggingface_hub") if find_spec(m) is None]
     assert not missing, f"missing ModelOpt import dependencies {missing}: pip install -r ci/requirements-modelopt-cpu.txt"
