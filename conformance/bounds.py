@@ -41,6 +41,8 @@ def dense_error_bound(
     *,
     has_pre_quant_scale: bool,
     bias: torch.Tensor | None,
+    weights_bf16_exact: bool = False,
+    prescaled_bf16_exact: bool = False,
 ) -> torch.Tensor:
     """Per-element bound on ``|y - y*|`` for a conforming W4A16 dense layer, fp64, shape of ``exact``.
 
@@ -59,9 +61,12 @@ def dense_error_bound(
        truncate (see its comment).
     3. **Weight rounding**: ``U_BF16 * A``. A legitimate implementation may dequantize
        ``e2m1 * e4m3 * weight_scale_2`` in fp32 and round the weight to bf16 for a BF16 GEMM: each weight then
-       carries a relative error <= 2^-8, which the sum turns into at most ``2^-8 * A``.
+       carries a relative error <= 2^-8, which the sum turns into at most ``2^-8 * A``. Zero when every
+       dequantized weight ``e2m1 * e4m3 * alpha`` is a BF16 number (``weights_bf16_exact``: e.g. a
+       power-of-two ``alpha``, as ``e2m1 * e4m3`` has at most 5 significant bits): rounding it changes nothing.
     4. **AWQ pre-scaling** (only with ``pre_quant_scale``): ``U_BF16 * A``. Engines compute ``x * pqs`` in
        bf16 before the GEMM (SGLang: ``x = x * layer.pre_quant_scale``), one rounding of each ``x'_k``.
+       Zero when every ``x * pqs`` is a BF16 number (``prescaled_bf16_exact``).
     5. **Bias addition** (only with a bias): ``U_BF16 * |y* - b|``. Engines round the GEMM output to bf16 and
        then add the bias (``out = out + bias``), so the pre-bias value is rounded once more.
     6. **Second-order slack**: the terms above are first order; products of two of them (e.g. rounding the
@@ -69,13 +74,19 @@ def dense_error_bound(
     7. **Absolute floor** ``(K + 4) * 2^-126``: relative bounds do not hold in the subnormal range (and GPUs
        flush subnormals to zero): each of the ``K + 4`` operations may lose up to the smallest normal.
 
+    Terms 2-7 bound the value ``p`` an implementation has before its final rounding to bf16:
+    ``|p - y*| <= bound - U_BF16 |y*|`` (the *pre-rounding allowance* the single-rounding checks of
+    :mod:`conformance.bounds_rounding` use, with ``weights_bf16_exact`` / ``prescaled_bf16_exact`` where they
+    hold). ``check_within_error_bound`` keeps terms 3 and 4 in any case: the lenient contract, which absorbs
+    one extra rounding; the single-rounding checks are the strict one.
+
     For inputs where ``y*`` or ``A`` is non-finite the bound is NaN; non-finite outputs are judged by the
     non-finite policy instead (see :mod:`conformance.checks_dense`)."""
     exact = exact.double()
     magnitude = magnitude.double()
     g = gamma(k + 2)
-    accumulated = (g + U_BF16) * magnitude
-    if has_pre_quant_scale:
+    accumulated = (g + (0.0 if weights_bf16_exact else U_BF16)) * magnitude
+    if has_pre_quant_scale and not prescaled_bf16_exact:
         accumulated = accumulated + U_BF16 * magnitude
     if bias is not None:
         accumulated = accumulated + U_BF16 * (exact - bias.double()).abs()

@@ -17,10 +17,27 @@ from typing import Any
 
 import torch
 
-from reference_impl.dense import w4a16_linear_exact
+from reference_impl.dense import dense_alpha, w4a16_linear_exact
+from reference_impl.nvfp4 import E2M1_MAGNITUDES
 
 from .adapter import Backend, DenseLayer
-from .bounds import FLASHINFER_MAX_REL_L2, FLASHINFER_MIN_COSINE, ErrorFigures, dense_error_bound, error_figures
+from .bounds import (
+    FLASHINFER_MAX_REL_L2,
+    FLASHINFER_MIN_COSINE,
+    U_BF16,
+    ErrorFigures,
+    dense_error_bound,
+    error_figures,
+)
+from .bounds_rounding import (
+    MIN_DECIDABLE_ELEMENTS,
+    MIN_STATISTIC_ELEMENTS,
+    RoundingFigures,
+    bf16_ulp,
+    is_bf16_exact,
+    round_to_bf16_exact,
+    rounding_figures,
+)
 from .dense_cases import DenseCase, build_activations, build_layer
 
 DETERMINISM_REPEATS = 3
@@ -65,18 +82,52 @@ def describe_inputs(run: DenseRun) -> str:
 def exact_and_bound(run: DenseRun) -> tuple[torch.Tensor, torch.Tensor]:
     """The exact fp64 output ``y*`` and the per-element bound of :func:`conformance.bounds.dense_error_bound`
     (computed once per run and kept on it: the inputs of a run never change)."""
-    cached = run.__dict__.get("_exact_and_bound")
-    if cached is not None:
-        return cached
+    exact, magnitude = _exact_and_magnitude(run)
+    cached = run.__dict__.get("_bound")
+    if cached is None:
+        layer = run.layer
+        cached = dense_error_bound(
+            exact, magnitude, run.case.k, has_pre_quant_scale=layer.pre_quant_scale is not None, bias=layer.bias
+        )
+        object.__setattr__(run, "_bound", cached)
+    return exact, cached
+
+
+def _exact_and_magnitude(run: DenseRun) -> tuple[torch.Tensor, torch.Tensor]:
+    cached = run.__dict__.get("_exact_and_magnitude")
+    if cached is None:
+        layer = run.layer
+        cached = w4a16_linear_exact(
+            run.x, layer.weight, layer.weight_scale, layer.weight_scale_2, layer.pre_quant_scale, layer.bias
+        )
+        object.__setattr__(run, "_exact_and_magnitude", cached)
+    return cached
+
+
+def dequantized_weights_bf16_exact(layer: DenseLayer) -> bool:
+    """Every ``e2m1 * e4m3 * alpha`` the layer can decode to is a BF16 number: checked on the (at most 8 x 256)
+    products of the 8 E2M1 magnitudes with the block-scale values present, so it holds for every weight."""
+    alpha = float(dense_alpha(layer.weight_scale_2))
+    scales = torch.unique(layer.weight_scale.view(torch.uint8)).view(torch.float8_e4m3fn).double().cpu()
+    magnitudes = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float64)
+    return is_bf16_exact(scales.view(-1, 1) * magnitudes.view(1, -1) * alpha)
+
+
+def pre_rounding_allowance(run: DenseRun) -> torch.Tensor:
+    """``d``: how far a single-rounding implementation's value before its final bf16 rounding may be from ``y*``:
+    the bound without its output-rounding term, and without the allowances for rounding the weights (or the
+    AWQ-scaled activations) to bf16 where those values are bf16 numbers already, so rounding them is exact
+    (:func:`conformance.bounds.dense_error_bound`, terms 2-7)."""
+    exact, magnitude = _exact_and_magnitude(run)
     layer = run.layer
-    exact, magnitude = w4a16_linear_exact(
-        run.x, layer.weight, layer.weight_scale, layer.weight_scale_2, layer.pre_quant_scale, layer.bias
+    prescaled_exact = layer.pre_quant_scale is not None and is_bf16_exact(
+        run.x.double() * layer.pre_quant_scale.double()
     )
     bound = dense_error_bound(
-        exact, magnitude, run.case.k, has_pre_quant_scale=layer.pre_quant_scale is not None, bias=layer.bias
+        exact, magnitude, run.case.k, has_pre_quant_scale=layer.pre_quant_scale is not None, bias=layer.bias,
+        weights_bf16_exact=dequantized_weights_bf16_exact(layer), prescaled_bf16_exact=prescaled_exact,
     )
-    object.__setattr__(run, "_exact_and_bound", (exact, bound))
-    return exact, bound
+    return bound - U_BF16 * exact.abs()
 
 
 def check_output_dtype_and_shape(run: DenseRun) -> None:
@@ -154,6 +205,88 @@ def check_deterministic(run: DenseRun, backend: Backend, repeats: int = DETERMIN
             )
 
 
+# ----------------------------------------------------------------------------------------- single rounding
+#: The checks that hold a backend to ONE round-to-nearest after an fp32-or-better accumulation of exact products
+#: (:mod:`conformance.bounds_rounding`). Stricter than the error-bound contract: a backend that rounds twice on
+#: purpose (e.g. BF16 split-K partials) passes the bound and fails these; it can accept them per backend in its
+#: expectation file (``conformance/test_dense.py::test_dense_single_rounding[<backend>-``). They run on the
+#: cases that list them in ``DenseCase.strict_checks`` (power-of-two ``alpha``, so that the contract's other
+#: roundings vanish and ``d`` is the accumulation allowance alone).
+STRICT_CHECKS = ("check_correctly_rounded", "check_rounding_direction", "check_ulp_error_spread")
+
+
+def single_rounding_figures(run: DenseRun) -> RoundingFigures:
+    """:func:`conformance.bounds_rounding.rounding_figures` of the run (computed once, kept on it)."""
+    cached = run.__dict__.get("_rounding_figures")
+    if cached is None:
+        check_output_dtype_and_shape(run)
+        exact, _ = exact_and_bound(run)
+        cached = rounding_figures(run.y, exact, pre_rounding_allowance(run))
+        object.__setattr__(run, "_rounding_figures", cached)
+    return cached
+
+
+def check_correctly_rounded(run: DenseRun) -> RoundingFigures:
+    """[strict] Every *decidable* element (every value within the pre-rounding allowance of ``y*`` rounds to the
+    same bf16 number) equals ``RN_bf16(y*)``. No false failures for a single-rounding implementation: it is the
+    contract's own model, checked exactly. An extra rounding anywhere (BF16 partial sums, an FP32 -> BF16
+    conversion that truncates, an fp16 step) changes some of them."""
+    fig = single_rounding_figures(run)
+    assert fig.decidable >= MIN_DECIDABLE_ELEMENTS, (
+        f"only {fig.decidable} decidable elements (need {MIN_DECIDABLE_ELEMENTS}): the case cannot judge "
+        f"single rounding\n  {describe_inputs(run)}"
+    )
+    if fig.mismatches:
+        exact, _ = exact_and_bound(run)
+        idx = fig.first_mismatch
+        e = exact[idx].reshape(1)
+        raise AssertionError(
+            f"{fig.mismatches} of {fig.decidable} decidable outputs are not the round-to-nearest bf16 value of the "
+            f"exact result (an extra rounding in the datapath?); first at {idx}: got {float(run.y[idx])!r}, "
+            f"exact {float(e)!r}, round-to-nearest {float(round_to_bf16_exact(e))!r}, bf16 ulp "
+            f"{float(bf16_ulp(e)):.4g}, pre-rounding allowance {float(pre_rounding_allowance(run)[idx]):.4g}"
+            f"\n  {describe_inputs(run)}"
+        )
+    return fig
+
+
+def check_rounding_direction(run: DenseRun) -> RoundingFigures:
+    """[strict] Among outputs whose allowance is <= 1/8 ulp, the share rounded toward zero stays below
+    ``5/8 + t`` (round-to-nearest: ~1/2; truncation: ~1). False-failure probability <= 1e-9 per evaluation
+    (Hoeffding, :mod:`conformance.bounds_rounding`)."""
+    fig = single_rounding_figures(run)
+    assert fig.informative >= MIN_STATISTIC_ELEMENTS, (
+        f"only {fig.informative} elements inform the direction statistic (need {MIN_STATISTIC_ELEMENTS})"
+        f"\n  {describe_inputs(run)}"
+    )
+    assert fig.toward_zero_fraction <= fig.direction_limit, (
+        f"{fig.toward_zero_fraction:.3f} of {fig.informative} outputs are rounded toward zero (limit "
+        f"{fig.direction_limit:.3f}; round-to-nearest gives ~0.5): the final FP32 -> BF16 conversion truncates?"
+        f"\n  {describe_inputs(run)}"
+    )
+    return fig
+
+
+def check_ulp_error_spread(run: DenseRun) -> RoundingFigures:
+    """[strict] The mean squared error in bf16 ulps over the same elements stays below its single-rounding
+    expectation (1/12 plus the allowance terms) plus a Hoeffding margin for a false-failure probability
+    <= 1e-9: the calibrated summary threshold (FlashInfer's rel-L2 < 2e-2 is ten times looser)."""
+    fig = single_rounding_figures(run)
+    assert fig.eligible >= MIN_STATISTIC_ELEMENTS, (
+        f"only {fig.eligible} elements inform the error spread (need {MIN_STATISTIC_ELEMENTS})\n  {describe_inputs(run)}"
+    )
+    assert fig.mean_sq_ulps <= fig.mean_sq_ulps_limit, (
+        f"mean squared error {fig.mean_sq_ulps:.4f} ulp^2 over {fig.eligible} outputs exceeds the single-rounding "
+        f"limit {fig.mean_sq_ulps_limit:.4f} (expected <= {fig.mean_sq_ulps_expected:.4f}): more than one rounding?"
+        f"\n  {describe_inputs(run)}"
+    )
+    return fig
+
+
+def _strict(name: str, check: Callable[[DenseRun], Any]) -> Callable[[DenseRun, Backend], Any]:
+    return lambda run, backend: check(run) if name in run.case.strict_checks else None
+
+
 #: Named checks, each ``(DenseRun, Backend) -> None``; the mutant self-tests report which ones fire.
 NAMED_CHECKS: dict[str, Callable[[DenseRun, Backend], Any]] = {
     "check_output_dtype_and_shape": lambda run, backend: check_output_dtype_and_shape(run),
@@ -163,6 +296,9 @@ NAMED_CHECKS: dict[str, Callable[[DenseRun, Backend], Any]] = {
         check_nonfinite_policy(run) if run.case.x_kind == "nonfinite" else None
     ),
     "check_deterministic": lambda run, backend: check_deterministic(run, backend),
+    "check_correctly_rounded": _strict("check_correctly_rounded", check_correctly_rounded),
+    "check_rounding_direction": _strict("check_rounding_direction", check_rounding_direction),
+    "check_ulp_error_spread": _strict("check_ulp_error_spread", check_ulp_error_spread),
 }
 
 

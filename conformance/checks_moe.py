@@ -64,12 +64,14 @@ def rank_bounds(run: MoERun) -> list[MoEBound]:
 
 def describe_inputs(run: MoERun, rank: int | None = None) -> str:
     c, ex = run.case, run.ranks[rank or 0]
-    counts = torch.bincount(run.topk_ids.reshape(-1).long().clamp(min=0), minlength=c.experts).tolist()
+    ids = run.topk_ids.reshape(-1).long()
+    counts = torch.bincount(ids[ids >= 0], minlength=c.experts).tolist()  # -1 (skipped slots) not counted
     parts = [
         f"case {c!r}",
         f"x {tuple(run.x.shape)} {run.x.dtype} on {run.x.device}; topk_ids {tuple(run.topk_ids.shape)} "
         f"{run.topk_ids.dtype}; topk_weights {tuple(run.topk_weights.shape)} {run.topk_weights.dtype}",
-        f"tokens per global expert: {counts if len(counts) <= 16 else counts[:8] + ['...'] + counts[-8:]}",
+        f"tokens per global expert: {counts if len(counts) <= 16 else counts[:8] + ['...'] + counts[-8:]}"
+        f"{f', {int((ids < 0).sum())} skipped (-1) slots' if bool((ids < 0).any()) else ''}",
         f"rank {rank or 0}/{c.ep_size}: local experts [{ex.ep_rank * ex.num_local_experts}, "
         f"{(ex.ep_rank + 1) * ex.num_local_experts}), activation {ex.activation} {ex.activation_params}",
         f"w13 {tuple(ex.w13.shape)} halves [gate; up], w13_scale_2[0] {ex.w13_scale_2[0].tolist()} (gate, up), "

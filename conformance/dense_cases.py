@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -26,8 +26,16 @@ from .adapter import CaseInfo, DenseLayer
 from .cases import WithinBound
 from .tiers import device_for_tier
 
-WeightKind = Literal["gaussian", "zero_blocks", "e4m3_max", "e4m3_subnormal"]
-XKind = Literal["gaussian", "noncontiguous", "nonfinite"]
+WeightKind = Literal["gaussian", "zero_blocks", "e4m3_max", "e4m3_subnormal", "pow2_alpha", "pow2_alpha_nonneg"]
+XKind = Literal[
+    "gaussian", "noncontiguous", "nonfinite", "nonneg",
+    "beyond_fp16", "below_fp16_normal", "mixed_magnitudes", "channel_outliers",
+]
+#: Activation families whose values a W4A16 backend must keep in BF16 (no FP16 step): BF16 and FP16 share
+#: nothing but [2^-14, 65504]; outside it FP16 overflows to inf or loses bits / flushes to zero.
+BF16_RANGE_X_KINDS = ("beyond_fp16", "below_fp16_normal", "mixed_magnitudes", "channel_outliers")
+#: Every single-rounding check (conformance.checks_dense.STRICT_CHECKS).
+ALL_STRICT = ("check_correctly_rounded", "check_rounding_direction", "check_ulp_error_spread")
 
 DENSE_BOUND = WithinBound("conformance.bounds.dense_error_bound")
 #: Activation amax assumed for the (ignored) W4A4 input_scale: ``input_scale = amax / (6 * 448)``.
@@ -39,7 +47,8 @@ class DenseCase:
     """One dense W4A16 case. ``m_shape`` is the activations' leading shape; ``shards`` lists fused output
     shards as ``(rows, gain)`` (each shard quantized on its own, so its ``weight_scale_2`` scales with
     ``gain``; empty = one shard of ``n`` rows); ``input_scale``: the layer carries a W4A4 ``input_scale``
-    (must be ignored under W4A16); ``expect`` names the bound outputs are judged by."""
+    (must be ignored under W4A16); ``expect`` names the bound outputs are judged by; ``strict_checks`` the
+    single-rounding checks the case is built for (power-of-two alpha: ``conformance.bounds_rounding``)."""
 
     id: str
     tier: str
@@ -53,6 +62,7 @@ class DenseCase:
     x_kind: XKind = "gaussian"
     input_scale: bool = True
     expect: WithinBound = DENSE_BOUND
+    strict_checks: tuple[str, ...] = field(default=(), repr=False)  # repr: keeps golden snapshots' case text
 
     def __post_init__(self) -> None:
         if self.k % BLOCK_SIZE:
@@ -83,6 +93,8 @@ class DenseCase:
         f |= {"3d_input"} if len(self.m_shape) > 1 else set()
         f |= {"noncontiguous"} if self.x_kind == "noncontiguous" else set()
         f |= {"nonfinite"} if self.x_kind == "nonfinite" else set()
+        f |= {f"x_{self.x_kind}"} if self.x_kind in (*BF16_RANGE_X_KINDS, "nonneg") else set()
+        f |= {"single_rounding"} if self.strict_checks else set()
         f |= {"w4a4_input_scale"} if self.input_scale else set()
         return frozenset(f)
 
@@ -110,6 +122,14 @@ def _shard_weight(case: DenseCase, rows: int, gain: float, g: torch.Generator, d
             blocks[:, ::4] = 0
             blocks[0] = 0
         q = quantize_modelopt(w)
+        return q.packed, q.block_scale, q.weight_scale_2
+    if case.weight_kind in ("pow2_alpha", "pow2_alpha_nonneg"):
+        # weight_scale_2 a power of two (>= amax / 2688, so no scale saturates): every e2m1 * e4m3 * alpha is a
+        # BF16 number, so the contract's only rounding after the fp32 sum is the output's (single-rounding cases).
+        w = torch.randn(rows, k, generator=g, device=device) * gain
+        w = w.abs() if case.weight_kind == "pow2_alpha_nonneg" else w
+        ws2 = 2.0 ** math.ceil(math.log2(float(w.abs().amax()) / (E2M1_MAX * E4M3_MAX)))
+        q = quantize_modelopt(w, ws2)
         return q.packed, q.block_scale, q.weight_scale_2
     # Checkpoint bytes chosen directly, to reach the corners of the E4M3 range.
     codes = torch.randint(0, 16, (rows, k), generator=g, device=device, dtype=torch.uint8)
@@ -167,18 +187,56 @@ NONFINITE_PATTERN = ((1, 5, float("nan")), (3, 0, float("inf")), (4, -1, float("
 
 def build_activations(case: DenseCase, device: torch.device | str | None = None) -> torch.Tensor:
     """BF16 activations ``[*m_shape, K]`` of ``case``: N(0, 1); ``noncontiguous`` = a stride-2 view along K;
-    ``nonfinite`` plants :data:`NONFINITE_PATTERN` (NaN, +Inf, -Inf in three rows)."""
+    ``nonfinite`` plants :data:`NONFINITE_PATTERN` (NaN, +Inf, -Inf in three rows); ``nonneg`` = |N(0, 1)|
+    (post-activation inputs: no cancellation, so the accumulation allowance stays small at large K); the
+    BF16-range families are :func:`_bf16_range_family`."""
     device = torch.device(device) if device is not None else case.device
     g = _generator(case, device, 1)
     if case.x_kind == "noncontiguous":
         wide = torch.randn(*case.m_shape, 2 * case.k, generator=g, device=device).bfloat16()
         return wide[..., ::2]
-    x = torch.randn(*case.m_shape, case.k, generator=g, device=device).bfloat16()
+    x = torch.randn(*case.m_shape, case.k, generator=g, device=device)
+    if case.x_kind == "nonneg":
+        x = x.abs()
+    elif case.x_kind in BF16_RANGE_X_KINDS:
+        x = _bf16_range_family(case.x_kind, x.view(-1, case.k), g).view_as(x)
+    x = x.bfloat16()
     if case.x_kind == "nonfinite":
         flat = x.view(-1, case.k)
         for row, col, value in NONFINITE_PATTERN:
             flat[row, col] = value
     return x
+
+
+#: Row scales of ``mixed_magnitudes``, cycling over the rows: 2^+-40 is far outside FP16 (2^-24 .. 65504).
+MIXED_ROW_EXPONENTS = (-40, -20, 0, 20, 40)
+
+
+def _bf16_range_family(kind: str, x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """``x [M, K]`` N(0, 1) reshaped into a family that is normal BF16 but not representable in FP16:
+
+    * ``beyond_fp16``: rows 1, 2, 3 of every 4 times 2^17 (|x| up to ~6e5 > 65504), row 0 of 4 unchanged;
+    * ``below_fp16_normal``: odd rows times 2^-20 (FP16 subnormals: 4-5 bits left), even rows times 2^-30
+      (below FP16's smallest subnormal 2^-24: flushed to 0);
+    * ``mixed_magnitudes``: row r times 2^MIXED_ROW_EXPONENTS[r % 5], every element times 2^u, u uniform in
+      [-8, 8] (one row spans 2^16, the batch 2^96);
+    * ``channel_outliers``: AWQ-style activation outliers: max(2, K/64) fixed channels times 2^10, one of them
+      times 2^17 (beyond FP16), in every row."""
+    m, k = x.shape
+    rows = torch.arange(m, device=x.device).view(-1, 1)
+    if kind == "beyond_fp16":
+        return x * torch.where(rows % 4 == 0, 1.0, 2.0**17)
+    if kind == "below_fp16_normal":
+        return x * torch.where(rows % 2 == 1, 2.0**-20, 2.0**-30)
+    if kind == "mixed_magnitudes":
+        row_exp = torch.tensor(MIXED_ROW_EXPONENTS, device=x.device, dtype=torch.float32)[rows % len(MIXED_ROW_EXPONENTS)]
+        elem_exp = torch.randint(-8, 9, (m, k), generator=g, device=x.device).float()
+        return x * torch.exp2(row_exp + elem_exp)
+    channels = torch.randperm(k, generator=g, device=x.device)[: max(2, k // 64)]
+    gain = torch.ones(k, device=x.device)
+    gain[channels] = 2.0**10
+    gain[channels[0]] = 2.0**17
+    return x * gain
 
 
 def _cpu_cases() -> list[DenseCase]:
@@ -204,6 +262,24 @@ def _cpu_cases() -> list[DenseCase]:
         DenseCase("cpu-e4m3-subnormal", "cpu", (7,), 160, 128, weight_kind="e4m3_subnormal"),
         DenseCase("cpu-nonfinite-activations", "cpu", (8,), 160, 128, x_kind="nonfinite"),
         DenseCase("cpu-nonfinite-3d-bias", "cpu", (2, 4), 96, 64, bias=True, x_kind="nonfinite"),
+        # Activations that are normal BF16 but not FP16 (W4A16 keeps activations in BF16).
+        DenseCase("cpu-x-beyond-fp16", "cpu", (8,), 160, 128, x_kind="beyond_fp16"),
+        DenseCase("cpu-x-below-fp16-normal", "cpu", (8,), 160, 128, x_kind="below_fp16_normal"),
+        DenseCase("cpu-x-mixed-magnitudes", "cpu", (10,), 160, 128, x_kind="mixed_magnitudes"),
+        DenseCase("cpu-x-channel-outliers-awq", "cpu", (6,), 160, 256, awq=True, x_kind="channel_outliers"),
+        # Single rounding: power-of-two alpha, so the output's rounding is the contract's only one after the sum.
+        DenseCase("cpu-pow2-alpha-m128-n160-k256", "cpu", (128,), 160, 256, weight_kind="pow2_alpha",
+                  strict_checks=ALL_STRICT),
+        DenseCase("cpu-pow2-alpha-m1-n2048-k256", "cpu", (1,), 2048, 256, weight_kind="pow2_alpha",
+                  strict_checks=ALL_STRICT),
+        DenseCase("cpu-pow2-alpha-nonneg-m64-n128-k1024", "cpu", (64,), 128, 1024, weight_kind="pow2_alpha_nonneg",
+                  x_kind="nonneg", strict_checks=ALL_STRICT),
+        DenseCase("cpu-pow2-alpha-3d-noncontiguous", "cpu", (2, 33), 160, 128, weight_kind="pow2_alpha",
+                  x_kind="noncontiguous", strict_checks=ALL_STRICT),
+        DenseCase("cpu-pow2-alpha-x-beyond-fp16", "cpu", (16,), 256, 128, weight_kind="pow2_alpha",
+                  x_kind="beyond_fp16", strict_checks=ALL_STRICT),
+        DenseCase("cpu-pow2-alpha-x-mixed-magnitudes", "cpu", (40,), 256, 128, weight_kind="pow2_alpha",
+                  x_kind="mixed_magnitudes", strict_checks=ALL_STRICT),
     ]
     return cases
 
@@ -227,6 +303,22 @@ def _cuda_cases() -> list[DenseCase]:
         DenseCase("cuda-e4m3-max-448", "cuda", (64,), 4096, 4096, weight_kind="e4m3_max"),
         DenseCase("cuda-e4m3-subnormal", "cuda", (64,), 4096, 4096, weight_kind="e4m3_subnormal"),
         DenseCase("cuda-zero-blocks", "cuda", (64,), 4096, 4096, weight_kind="zero_blocks"),
+        DenseCase("cuda-x-beyond-fp16", "cuda", (64,), 4096, 4096, x_kind="beyond_fp16"),
+        DenseCase("cuda-x-below-fp16-normal", "cuda", (64,), 4096, 4096, x_kind="below_fp16_normal"),
+        DenseCase("cuda-x-mixed-magnitudes", "cuda", (65,), 4096, 4096, x_kind="mixed_magnitudes"),
+        DenseCase("cuda-x-channel-outliers-awq", "cuda", (64,), 4096, 4096, awq=True, x_kind="channel_outliers"),
+        # Single rounding at kernel sizes. Non-negative inputs keep the worst-case fp32 allowance below 1/8 ulp up
+        # to K = 4096; at K = 14336 only the (deterministic) correct-rounding check has decidable elements.
+        DenseCase("cuda-pow2-alpha-m4096-n4096-k256", "cuda", (4096,), 4096, 256, weight_kind="pow2_alpha",
+                  strict_checks=ALL_STRICT),
+        DenseCase("cuda-pow2-alpha-nonneg-m256-n4096-k4096", "cuda", (256,), 4096, 4096,
+                  weight_kind="pow2_alpha_nonneg", x_kind="nonneg", strict_checks=ALL_STRICT),
+        DenseCase("cuda-pow2-alpha-nonneg-m1-n14336-k4096", "cuda", (1,), 14336, 4096,
+                  weight_kind="pow2_alpha_nonneg", x_kind="nonneg", strict_checks=ALL_STRICT),
+        DenseCase("cuda-pow2-alpha-nonneg-m64-n4096-k14336", "cuda", (64,), 4096, 14336,
+                  weight_kind="pow2_alpha_nonneg", x_kind="nonneg", strict_checks=("check_correctly_rounded",)),
+        DenseCase("cuda-pow2-alpha-x-mixed-magnitudes", "cuda", (65,), 4096, 256, weight_kind="pow2_alpha",
+                  x_kind="mixed_magnitudes", strict_checks=ALL_STRICT),
     ]
     return cases
 
@@ -234,3 +326,4 @@ def _cuda_cases() -> list[DenseCase]:
 DENSE_CASES: tuple[DenseCase, ...] = tuple(_cpu_cases() + _cuda_cases())
 CPU_CASES: tuple[DenseCase, ...] = tuple(c for c in DENSE_CASES if c.tier == "cpu")
 NONFINITE_CASES: tuple[DenseCase, ...] = tuple(c for c in DENSE_CASES if c.x_kind == "nonfinite")
+SINGLE_ROUNDING_CASES: tuple[DenseCase, ...] = tuple(c for c in DENSE_CASES if c.strict_checks)

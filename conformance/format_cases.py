@@ -247,27 +247,54 @@ KERNEL_RECIPE_EXAMPLES = [
 
 @dataclass(frozen=True)
 class ModelOptRecipeExample:
-    """One 16-element block through the ModelOpt weight recipe with its global amax fixed by the block itself."""
+    """One row of 16-element blocks through the ModelOpt weight recipe (NVIDIA ModelOpt 0.47.0's quantizer), the
+    global amax fixed by the row itself. Every expected byte is worked out by hand in ``why``."""
 
     id: str
-    block: tuple[float, ...]
+    values: tuple[float, ...]
     expected_weight_scale_2: float
-    expected_scale_byte: int
+    expected_scale_bytes: tuple[int, ...]
     expected_codes: tuple[int, ...]
     why: str
     tier: str = "cpu"
 
 
+_Z12, _Z13, _Z14, _Z15 = (0.0,) * 12, (0.0,) * 13, (0.0,) * 14, (0.0,) * 15
 MODELOPT_RECIPE_EXAMPLES = [
     ModelOptRecipeExample(
-        "max-scale", (2688.0, 1344.0, -672.0, 112.0, 336.0, 0.0) + (448.0,) * 10, 1.0, 0x7E,
+        "max-scale", (2688.0, 1344.0, -672.0, 112.0, 336.0, 0.0) + (448.0,) * 10, 1.0, (0x7E,),
         (7, 5, 11, 0, 2, 0) + (2,) * 10,
-        "amax 2688 = 6 * 448: weight_scale_2 = 1, sf = e4m3(2688 / 6 / 1) = 448 = 0x7E; x / 448 = 6, 3, -1.5, "
+        "amax 2688 = 6 * 448: weight_scale_2 = 1, sf = e4m3(2688 / (6 * 1)) = 448 = 0x7E; x / 448 = 6, 3, -1.5, "
         "0.25 (tie -> 0), 0.75 (tie -> 1.0, code 2), 0, 1 -> codes 7, 5, 11, 0, 2, 0, 2",
     ),
     ModelOptRecipeExample(
-        "all-zero-weight", (0.0,) * 16, 0.0, 0x00, (0,) * 16,
-        "amax 0: weight_scale_2 = 0; an all-zero block gets scale 0 and codes 0 (not 0/0 = NaN)",
+        "division-order-decides-a-tie", (1.75,) + _Z15 + (0.005615234375, -0.001953125, 0.0029296875) + _Z13,
+        float.fromhex("0x1.555556p-11"), (0x7E, 0x3C), (7,) + (0,) * 15 + (7, 12, 5) + (0,) * 13,
+        "ws2 = fl(1.75 / 2688) = 0x1.555556p-11, and ModelOpt first rounds 6 * ws2 = 2^-8 exactly; block 1: "
+        "0x1.7p-8 / 2^-8 = 1.4375, the exact midpoint of 1.375 (0x3B) and 1.5 (0x3C) -> even mantissa 0x3C. "
+        "The other order, fl(fl(0x1.7p-8 / 6) / ws2) = 1.43749988, would give 0x3B. Codes: 1.5 * ws2 rounds to "
+        "2^-10, x / 2^-10 = 5.75 (-> 6, code 7), -2 (code 12), 3 (code 5); block 0: 1.75 / (448 ws2) ~ 6 -> 7",
+    ),
+    ModelOptRecipeExample(
+        "zero-block-gets-scale-one", (2688.0, 1344.0) + _Z14 + (0.0,) * 16, 1.0, (0x7E, 0x38), (7, 5) + (0,) * 30,
+        "block 1 is all zero: its ideal scale 0 / (6 * 1) = 0 is replaced by 1.0 before the cast (ModelOpt's "
+        "'set all zero values in scale to 1.0') -> 0x38, codes 0 / 1 = 0",
+    ),
+    ModelOptRecipeExample(
+        "underflowing-scale-clamped", (2688.0,) + _Z15 + (6 * 2.0**-11, -3 * 2.0**-11) + _Z14, 1.0, (0x7E, 0x01),
+        (7,) + (0,) * 15 + (3, 10) + (0,) * 14,
+        "block 1: ideal scale 6 * 2^-11 / 6 = 2^-11, below half the smallest E4M3 subnormal (plain rounding gives "
+        "0); ModelOpt clamps to 2^-9 first -> 0x01; x / 2^-9 = 1.5 (code 3), -0.75 (tie -> 1.0, code 10)",
+    ),
+    ModelOptRecipeExample(
+        "minus-zero-is-code-0", (2688.0, -0.0, -112.0, 112.0) + _Z12, 1.0, (0x7E,), (7, 0, 8, 0) + (0,) * 12,
+        "ModelOpt sets the sign bit for x < 0 only: -0.0 / 448 = -0.0 -> code 0, but -112 / 448 = -0.25 "
+        "(tie -> 0, negative) -> code 8 (-0), +0.25 -> code 0",
+    ),
+    ModelOptRecipeExample(
+        "all-zero-weight", (0.0,) * 16, 0.0, (0x38,), (0,) * 16,
+        "amax 0: weight_scale_2 = 0; ModelOpt would compute 0 / (6 * 0) = NaN (scale 0xFF, codes 7); the reference "
+        "gives the block its zero-block scale 1.0 (0x38) and codes 0, so it still decodes to 0 (docs/format.md)",
     ),
 ]
 

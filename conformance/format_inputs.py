@@ -97,6 +97,46 @@ def _family_random() -> torch.Tensor:
     return torch.randn(256, 128, generator=g) * torch.exp2(torch.randint(-20, 20, (256, 1), generator=g).float())
 
 
+#: Tensor amax of :func:`_family_modelopt_scale_ties`: 1.75 = 7/4, so ``448 * b / amax`` hits E4M3 midpoints
+#: for many bf16 block amaxes ``b``.
+MODELOPT_TIE_AMAX = 1.75
+
+
+def _family_modelopt_scale_ties() -> torch.Tensor:
+    """ModelOpt's block scale ``b / (6 * ws2)`` with ``ws2 = amax / 2688`` lands exactly on an E4M3 midpoint:
+    block amaxes ``b`` are the bf16 values with ``448 * b / amax`` a midpoint (exactly, in fp64); the fp32
+    rounding of the two divisions then decides the tie, so the operation order shows (what a real checkpoint
+    export hits at bf16 weights). Row 0 holds the tensor amax; one block per row, bf16-exact values."""
+    amax = MODELOPT_TIE_AMAX
+    mids = [(E4M3_VALUES[b] + E4M3_VALUES[b + 1]) / 2 for b in range(0x08, 0x7E)]  # normal range
+    blocks = []
+    for m in mids:
+        b = m * amax / 448.0  # exact in fp64
+        if float(torch.tensor(b, dtype=torch.float64).bfloat16()) == b:
+            for sign in (1.0, -1.0):
+                blocks.append([sign * b, -b / 3, b / 7, 0.0] + [b / 11] * 12)
+    rows = torch.tensor(blocks, dtype=torch.float32)
+    head = torch.zeros(1, 16)
+    head[0, 0] = amax
+    return torch.cat([head, rows]).bfloat16().float()
+
+
+def _family_underflowing_scales() -> torch.Tensor:
+    """One block at amax 1 (so ``ws2 = 1/2688``), the others with ideal E4M3 scales ``b / (6 ws2)`` from 2^-20
+    to 2^-6: below 2^-10 plain rounding gives 0 and ModelOpt clamps to 2^-9; exactly 2^-10 is a tie; and
+    all-zero blocks (ModelOpt: scale 1.0)."""
+    g = _gen(8)
+    ideal = torch.exp2(torch.linspace(-20.0, -6.0, 127))
+    ideal[::9] = 2.0**-10  # exact ties between 0 and the smallest subnormal
+    amax = ideal * 6.0 / 2688.0
+    x = (torch.rand(127, 16, generator=g) * 2 - 1) * amax.view(-1, 1)
+    x[:, 3] = amax
+    x[::10] = 0.0
+    head = torch.zeros(1, 16)
+    head[0, :4] = torch.tensor([1.0, -0.5, 0.25, -0.0])
+    return torch.cat([head, x])
+
+
 ADVERSARIAL_FAMILIES = {
     "zeros": _family_zeros,
     "zero-blocks-mixed": _family_zero_blocks_mixed,
@@ -106,6 +146,8 @@ ADVERSARIAL_FAMILIES = {
     "subnormal-scales": _family_subnormal_scales,
     "saturating-scales": _family_saturating_scales,
     "random-wide-range": _family_random,
+    "modelopt-scale-ties": _family_modelopt_scale_ties,
+    "underflowing-scales": _family_underflowing_scales,
 }
 
 
@@ -174,3 +216,15 @@ def random_float32(n: int, seed: int, spread: tuple[int, int]) -> np.ndarray:
     linear = rng.uniform(-(2.0**hi), 2.0**hi, q)
     bits = rng.integers(0, 2**32, n - h - q, dtype=np.uint64).astype(np.uint32).view(np.float32)
     return np.concatenate([log_uniform.astype(np.float32), linear.astype(np.float32), bits])
+
+
+def real_model_like_weight(rows: int = 1024, cols: int = 2048, seed: int = 31) -> torch.Tensor:
+    """A bf16 weight shaped like a trained LLM projection: heavy-tailed entries (Student-t, 4 degrees of freedom,
+    std ~0.02), row norms spread log-normally (sigma 0.5) and 1% of input columns carrying x8 outlier channels."""
+    g = _gen(seed)
+    z = torch.randn(rows, cols, generator=g)
+    chi2 = torch.randn(4, rows, cols, generator=g).square().sum(0)
+    t = z / torch.sqrt(chi2 / 4.0)
+    row_scale = torch.exp(0.5 * torch.randn(rows, 1, generator=g))
+    col_scale = torch.where(torch.rand(1, cols, generator=g) < 0.01, 8.0, 1.0)
+    return (0.02 / 1.41 * t * row_scale * col_scale).bfloat16()

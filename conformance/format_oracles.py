@@ -91,10 +91,12 @@ class ModelOptOracle:
 
 
 def modelopt_recipe_numpy(w: np.ndarray, weight_scale_2: float | None = None) -> ModelOptOracle:
-    """SPEC 1, ModelOpt weight recipe, as a float32 numpy program (every operation one IEEE float32 rounding):
-    ``ws2 = amax / 2688`` (6 * 448 = 2688 exactly), ``sf = e4m3(block_amax / 6 / ws2)``,
-    ``q = e2m1(x / (sf * ws2))``; an all-zero block gets scale 0 and codes 0 (also when ws2 = 0), and so does a
-    block whose scale rounds to 0."""
+    """NVIDIA ModelOpt 0.47's NVFP4 weight quantizer (``NVFP4QTensor``) as a float32 numpy program, every
+    operation one IEEE float32 rounding, conversions by ml_dtypes: ``ws2 = amax / 2688`` (6 * 448 exactly),
+    ``sf = block_amax / (6 * ws2)`` (``6 * ws2`` rounded first), a zero ``sf`` becomes 1.0, then
+    ``sf = e4m3(clip(sf, 2^-9, 448))``; ``q = e2m1(|x / (sf * ws2)|)`` with the sign bit set only for
+    values ``< 0`` (``-0.0`` gives code 0). Where ``sf * ws2`` is 0 (``ws2 = 0``) zero elements get code 0
+    (the reference's documented choice; ModelOpt itself computes 0/0 there, docs/format.md)."""
     w = np.asarray(w, dtype=np.float32)
     n, k = w.shape
     blocks = w.reshape(n, k // 16, 16)
@@ -104,13 +106,15 @@ def modelopt_recipe_numpy(w: np.ndarray, weight_scale_2: float | None = None) ->
         else:
             ws2 = np.float32(weight_scale_2)
         block_amax = np.nanmax(np.abs(blocks), axis=-1).astype(np.float32)
-        sf_in = np.where(block_amax == 0, np.float32(0.0), block_amax / np.float32(6.0) / ws2)
-        sf_bytes = e4m3_bytes_ml_dtypes(sf_in)
+        sf_in = np.where(block_amax == 0, np.float32(0.0), block_amax / (np.float32(6.0) * ws2)).astype(np.float32)
+        sf_in = np.where(sf_in == 0, np.float32(1.0), sf_in)
+        sf_bytes = e4m3_bytes_ml_dtypes(np.clip(sf_in, np.float32(2.0**-9), np.float32(448.0)))
         sf = sf_bytes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
         denom = (sf * ws2)[..., None]
-        scaled = np.where(denom == 0, np.float32(0.0), blocks / denom).astype(np.float32)
-    codes = e2m1_codes_ml_dtypes(scaled).reshape(n, k)
-    return ModelOptOracle(pack_codes_numpy(codes), sf_bytes, np.float32(ws2))
+        scaled = (blocks / denom).astype(np.float32)
+        scaled = np.where((denom == 0) & (blocks == 0), np.float32(0.0), scaled)
+    codes = e2m1_codes_ml_dtypes(np.abs(scaled)) | np.where(scaled < 0, np.uint8(8), np.uint8(0))
+    return ModelOptOracle(pack_codes_numpy(codes.reshape(n, k)), sf_bytes, np.float32(ws2))
 
 
 # ----------------------------------------------------------------------------------------- 128x4 swizzle
@@ -203,6 +207,39 @@ def check_modelopt_recipe(quantize_modelopt, w: torch.Tensor, weight_scale_2: fl
         compare_bits("ModelOpt weight_scale_2 bits", got_ws2, np.asarray(want.weight_scale_2).reshape(1).view(np.uint32))
         or compare_bits("ModelOpt block scale bytes", q.block_scale, want.scale_bytes)
         or compare_bits("ModelOpt packed codes", q.packed, want.packed)
+    )
+
+
+MODELOPT_VERSION = "0.47.0"
+
+
+def modelopt_package_quantize(w: torch.Tensor, weight_scale_2: float | torch.Tensor | None = None):
+    """``(packed uint8, block-scale bytes uint8, weight_scale_2 fp32)`` from NVIDIA ModelOpt's own quantizer,
+    the calls its Hugging Face export makes for an NVFP4 weight (``unified_export_hf._export_quantized_weight``):
+    ``NVFP4QTensor.get_weights_scaling_factor`` then ``NVFP4QTensor.quantize`` with that scale. Needs
+    ``nvidia-modelopt`` (installed --no-deps by ci/install-test-deps.sh; CPU only)."""
+    from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
+
+    w = w.clone()
+    if weight_scale_2 is None:
+        ws2 = NVFP4QTensor.get_weights_scaling_factor_2(w)
+    else:
+        ws2 = torch.as_tensor(weight_scale_2, dtype=torch.float32).reshape(())
+    sf, _ = NVFP4QTensor.get_weights_scaling_factor(w, 16, ws2)
+    qtensor, _, _ = NVFP4QTensor.quantize(w, 16, sf, ws2)
+    return qtensor._quantized_data, sf.view(torch.uint8), ws2.float()
+
+
+def check_modelopt_package(quantize_modelopt, w: torch.Tensor, weight_scale_2: float | None = None) -> Mismatch | None:
+    """``quantize_modelopt(w[, ws2])`` against NVIDIA ModelOpt's quantizer (:func:`modelopt_package_quantize`):
+    weight_scale_2 bits, block scale bytes and packed codes, bit for bit."""
+    q = quantize_modelopt(w) if weight_scale_2 is None else quantize_modelopt(w, weight_scale_2)
+    packed, scale_bytes, ws2 = modelopt_package_quantize(w, weight_scale_2)
+    return (
+        compare_bits("weight_scale_2 bits vs ModelOpt", q.weight_scale_2.float().cpu().reshape(1).view(torch.int32),
+                     ws2.reshape(1).view(torch.int32))
+        or compare_bits("block scale bytes vs ModelOpt", q.block_scale, scale_bytes)
+        or compare_bits("packed codes vs ModelOpt", q.packed, packed)
     )
 
 

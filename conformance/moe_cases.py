@@ -10,7 +10,12 @@ two, 1.37 = general). Checkpoint input scales, when present, are 0.002..0.05 (a 
 ``amax / (6 * 448)``): a backend that folds them into its W4A16 alphas is off by 20-500x.
 Routing: ``softmax_renorm`` / ``softmax`` / ``sigmoid_bias`` from random logits (:mod:`reference_impl.
 routing`), ``all_to_one`` (every token's first slot to the last expert), ``empty_experts`` (logits
-biased so only a quarter of the experts can be chosen).
+biased so only a quarter of the experts can be chosen), and the inputs engines send besides router
+output (contract in docs/moe.md): ``duplicate_ids`` (a token names the same expert in several slots),
+``padding_ids`` (``-1`` in skipped slots, whole padded rows of ``-1``; their weights are garbage, NaN
+here, and must never be read), ``all_slots_one_expert`` (every slot of every token to the last
+expert), ``rank0_only`` (every token's experts on EP rank 0: the other ranks own none of them).
+Activations: ``x_kind`` ``beyond_fp16`` / ``below_fp16_normal`` as in the dense cases (BF16 stays BF16).
 """
 from __future__ import annotations
 
@@ -29,7 +34,11 @@ from .adapter import CaseInfo, MoEExperts
 from .cases import WithinBound
 from .tiers import device_for_tier
 
-Routing = Literal["softmax_renorm", "softmax", "sigmoid_bias", "all_to_one", "empty_experts"]
+Routing = Literal[
+    "softmax_renorm", "softmax", "sigmoid_bias", "all_to_one", "empty_experts",
+    "duplicate_ids", "padding_ids", "all_slots_one_expert", "rank0_only",
+]
+MoEXKind = Literal["gaussian", "beyond_fp16", "below_fp16_normal"]
 MOE_BOUND = WithinBound("conformance.bounds_moe.moe_error_bound")
 GATE_UP_RATIOS = {"tied": 1.0, "pow2": 2.0, "general": 1.37}
 
@@ -54,6 +63,7 @@ class MoECase:
     gate_up: Literal["tied", "pow2", "general"] = "tied"
     input_scales: bool = True
     expect: WithinBound = MOE_BOUND
+    x_kind: MoEXKind = "gaussian"
 
     def __post_init__(self) -> None:
         if self.hidden % 16 or self.intermediate % 16:
@@ -82,6 +92,7 @@ class MoECase:
         f |= {f"ep{self.ep_size}"} if self.ep_size > 1 else set()
         f |= {f"untied_gate_up_{self.gate_up}"} if self.gate_up != "tied" else set()
         f |= {"input_scales"} if self.input_scales else set()
+        f |= {f"x_{self.x_kind}"} if self.x_kind != "gaussian" else set()
         return frozenset(f)
 
     def info(self) -> CaseInfo:
@@ -155,10 +166,19 @@ def build_inputs(case: MoECase, device: torch.device | str | None = None) -> tup
     """``(x [T, H] bf16, topk_ids [T, k] int32, topk_weights [T, k] fp32)`` by ``case.routing``."""
     device = torch.device(device) if device is not None else case.device
     g = _generator(case, device, 1)
-    x = torch.randn(case.tokens, case.hidden, generator=g, device=device).to(torch.bfloat16)
+    x = torch.randn(case.tokens, case.hidden, generator=g, device=device)
+    rows = torch.arange(case.tokens, device=device).view(-1, 1)
+    if case.x_kind == "beyond_fp16":  # 3 rows of 4 beyond FP16's 65504
+        x = x * torch.where(rows % 4 == 0, 1.0, 2.0**17)
+    elif case.x_kind == "below_fp16_normal":  # FP16 subnormal (odd rows) and below FP16's range (even rows)
+        x = x * torch.where(rows % 2 == 1, 2.0**-20, 2.0**-30)
+    x = x.to(torch.bfloat16)
     logits = torch.randn(case.tokens, case.experts, generator=g, device=device)
     if case.routing == "all_to_one":
         ids, w = route_all_to_one(case.tokens, case.top_k, case.experts - 1, case.experts, device)
+    elif case.routing == "all_slots_one_expert":
+        ids = torch.full((case.tokens, case.top_k), case.experts - 1, dtype=torch.int32, device=device)
+        w = torch.rand(case.tokens, case.top_k, generator=g, device=device)
     elif case.routing == "sigmoid_bias":
         bias = 0.5 * torch.randn(case.experts, generator=g, device=device)
         ids, w = sigmoid_topk_with_bias(logits, bias, case.top_k, renormalize=True, routed_scaling_factor=2.5)
@@ -166,8 +186,38 @@ def build_inputs(case: MoECase, device: torch.device | str | None = None) -> tup
         if case.routing == "empty_experts":  # only every 4th expert can win
             blocked = torch.arange(case.experts, device=device) % 4 != 0
             logits = logits.masked_fill(blocked, -1e4)
+        if case.routing == "rank0_only":  # only the first ep rank's experts can win
+            blocked = torch.arange(case.experts, device=device) >= case.experts // case.ep_size
+            logits = logits.masked_fill(blocked, -1e4)
         ids, w = softmax_topk(logits, case.top_k, renormalize=case.routing != "softmax")
+    if case.routing == "duplicate_ids":
+        ids, w = duplicate_slots(ids, w, g)
+    elif case.routing == "padding_ids":
+        ids, w = padding_slots(ids, w, g)
     return x, ids, w
+
+
+def duplicate_slots(ids: torch.Tensor, w: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Half the tokens name their first expert again in their last slot (every slot keeps its own weight; with
+    top-k >= 4 a quarter also in slot 1: three times). Both slots count (docs/moe.md)."""
+    ids = ids.clone()
+    t = ids.shape[0]
+    again = torch.rand(t, generator=g, device=ids.device) < 0.5
+    ids[:, -1] = torch.where(again, ids[:, 0], ids[:, -1])
+    if ids.shape[1] >= 4:
+        thrice = again & (torch.rand(t, generator=g, device=ids.device) < 0.5)
+        ids[:, 1] = torch.where(thrice, ids[:, 0], ids[:, 1])
+    return ids, w
+
+
+def padding_slots(ids: torch.Tensor, w: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A quarter of the slots and every 8th token entirely (a padded row) get id -1; their weights are NaN,
+    standing for the uninitialised memory engines leave there (a skipped slot's weight is never read)."""
+    skipped = torch.rand(ids.shape, generator=g, device=ids.device) < 0.25
+    skipped |= (torch.arange(ids.shape[0], device=ids.device) % 8 == 7).view(-1, 1)
+    ids = torch.where(skipped, torch.full_like(ids, -1), ids)
+    w = torch.where(skipped, torch.full_like(w, float("nan")), w)
+    return ids, w
 
 
 def _cpu_cases() -> list[MoECase]:
@@ -199,6 +249,16 @@ def _cpu_cases() -> list[MoECase]:
     c.append(MoECase("t7_e8_k1_ep4_all_to_last", "cpu", 7, 8, 1, 128, 64, ep_size=4, routing="all_to_one"))
     c.append(MoECase("t515_e256_k8_ep2_relu2", "cpu", 515, 256, 8, 128, 64, ep_size=2, activation="relu2",
                      routing="sigmoid_bias"))
+    # Routing inputs engines send (contract: docs/moe.md).
+    c.append(MoECase("t32_e8_k2_duplicate_ids", "cpu", 32, 8, 2, 128, 64, routing="duplicate_ids"))
+    c.append(MoECase("t32_e16_k4_duplicate_ids_ep2", "cpu", 32, 16, 4, 128, 64, routing="duplicate_ids", ep_size=2))
+    c.append(MoECase("t32_e8_k2_padding_ids", "cpu", 32, 8, 2, 128, 64, routing="padding_ids"))
+    c.append(MoECase("t64_e16_k4_padding_ids_ep4", "cpu", 64, 16, 4, 128, 64, routing="padding_ids", ep_size=4))
+    c.append(MoECase("t32_e8_k4_all_slots_one_expert", "cpu", 32, 8, 4, 128, 64, routing="all_slots_one_expert"))
+    c.append(MoECase("t32_e16_k2_rank0_only_ep4", "cpu", 32, 16, 2, 128, 64, routing="rank0_only", ep_size=4))
+    # Activations outside FP16's range (W4A16 keeps them BF16).
+    c.append(MoECase("t32_e8_k2_x_beyond_fp16", "cpu", 32, 8, 2, 128, 64, x_kind="beyond_fp16"))
+    c.append(MoECase("t32_e8_k2_x_below_fp16_normal", "cpu", 32, 8, 2, 128, 64, x_kind="below_fp16_normal"))
     return c
 
 
@@ -219,6 +279,14 @@ def _cuda_cases() -> list[MoECase]:
     c.append(MoECase("cuda_t7_e64_k2_h4096_i1600", "cuda", 7, 64, 2, 4096, 1600))
     c.append(MoECase("cuda_t515_e8_k2_h2880_i2880_swiglu_oai", "cuda", 515, 8, 2, 2880, 2880, activation="swiglu_oai",
                      activation_params=(("alpha", 1.702), ("beta", 1.0), ("limit", 7.0))))
+    c.append(MoECase("cuda_t128_e256_k8_h4096_i1536_duplicate_ids", "cuda", 128, top_k=8, routing="duplicate_ids", **big))
+    c.append(MoECase("cuda_t128_e256_k8_h4096_i1536_padding_ids_ep4", "cuda", 128, top_k=8, routing="padding_ids",
+                     ep_size=4, **big))
+    c.append(MoECase("cuda_t128_e256_k8_h4096_i1536_all_slots_one_expert", "cuda", 128, top_k=8,
+                     routing="all_slots_one_expert", **big))
+    c.append(MoECase("cuda_t128_e256_k8_h4096_i1536_x_beyond_fp16", "cuda", 128, top_k=8, x_kind="beyond_fp16", **big))
+    c.append(MoECase("cuda_t128_e256_k8_h4096_i1536_x_below_fp16_normal", "cuda", 128, top_k=8,
+                     x_kind="below_fp16_normal", **big))
     return c
 
 

@@ -7,14 +7,16 @@ import pytest
 from conformance.adapter import Backend
 from conformance.cases import as_params, case_for_backend
 from conformance.checks_dense import (
+    NAMED_CHECKS,
     check_deterministic,
     check_nonfinite_policy,
     check_output_dtype_and_shape,
     check_summary_figures,
     check_within_error_bound,
     run_dense_case,
+    single_rounding_figures,
 )
-from conformance.dense_cases import DENSE_CASES, NONFINITE_CASES, DenseCase
+from conformance.dense_cases import DENSE_CASES, NONFINITE_CASES, SINGLE_ROUNDING_CASES, DenseCase
 
 
 def _run(backend: Backend, case: DenseCase):
@@ -50,3 +52,16 @@ def test_dense_deterministic(backend: Backend, case: DenseCase) -> None:
 @pytest.mark.parametrize("case", as_params(NONFINITE_CASES))
 def test_dense_nonfinite_policy(backend: Backend, case: DenseCase) -> None:
     check_nonfinite_policy(_run(backend, case))
+
+
+@pytest.mark.parametrize("case", as_params(SINGLE_ROUNDING_CASES))
+def test_dense_single_rounding(backend: Backend, case: DenseCase, record_property) -> None:
+    """[strict: stricter than the error bound] exactly one round-to-nearest after the fp32 sum
+    (``conformance.checks_dense.STRICT_CHECKS``); a backend may accept it in its expectation file."""
+    run = _run(backend, case)
+    check_output_dtype_and_shape(run)
+    record_property("strict", "single rounding (stricter than the error-bound contract)")
+    for name, value in single_rounding_figures(run).properties().items():
+        record_property(name, value)
+    for name in case.strict_checks:
+        NAMED_CHECKS[name](run, backend)

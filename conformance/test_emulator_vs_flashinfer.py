@@ -93,19 +93,30 @@ MOE_CASES = [
 ]
 
 
+#: Routing inputs engines send besides router output (docs/moe.md): the emulator's reading of the contract
+#: (duplicates count per slot; -1 skipped, its NaN weight never read) is checked against the real kernel here.
+MOE_ROUTINGS = ("topk", "duplicate_ids", "padding_ids")
+
+
 @pytest.mark.b200
+@pytest.mark.parametrize("routing", MOE_ROUTINGS)
 @pytest.mark.parametrize("case", MOE_CASES, ids=[c.id for c in MOE_CASES])
-def test_moe_agrees_within_bound(case: EngineMoECase):
+def test_moe_agrees_within_bound(case: EngineMoECase, routing: str):
     from conformance.backends.flashinfer_moe import flashinfer_moe_skip_reason
     from conformance.backends.flashinfer_platform import InstalledFlashInfer
     from conformance.bounds_moe import moe_error_bound
+    from conformance.moe_cases import duplicate_slots, padding_slots
 
     api = _real_api()
     reason = flashinfer_moe_skip_reason(None, torch.device("cuda"), InstalledFlashInfer())
     if reason:
         pytest.skip(reason)
     experts = build_moe_checkpoint(case).local_experts()
-    x, ids, wts = (t.cuda() for t in build_moe_inputs(case))
+    x, ids, wts = build_moe_inputs(case)
+    if routing != "topk":
+        g = torch.Generator().manual_seed(case.seed + 2)
+        ids, wts = (duplicate_slots if routing == "duplicate_ids" else padding_slots)(ids, wts, g)
+    x, ids, wts = x.cuda(), ids.cuda(), wts.cuda()
     e = experts.num_local_experts
     dev = lambda t: t.cuda()  # noqa: E731
     w1 = dev(to_cutedsl_w13(experts.w13))

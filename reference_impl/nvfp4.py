@@ -134,23 +134,44 @@ def decode_to_encode_scale(weight_scale_2: torch.Tensor | float) -> torch.Tensor
     return 1.0 / torch.as_tensor(weight_scale_2, dtype=torch.float32)
 
 
+#: ModelOpt clamps ideal block scales into E4M3's range before the cast: below it to the smallest
+#: subnormal 2^-9 (never to 0), above it to 448 (``_cast_per_block_scale_to_fp8``).
+MODELOPT_MIN_BLOCK_SCALE = 2.0**-9
+
+
 def quantize_modelopt(w: torch.Tensor, weight_scale_2: torch.Tensor | float | None = None) -> NVFP4Weight:
-    """ModelOpt weight recipe (SPEC 1): ``weight_scale_2 = amax / (6*448)``,
-    ``sf = e4m3(amax_block / 6 / weight_scale_2)``, ``q = e2m1(x / (sf * weight_scale_2))``.
-    An all-zero block gets scale 0 and codes 0. All arithmetic in fp32, in that operation order."""
+    """NVIDIA ModelOpt 0.47.0's NVFP4 weight quantizer (``NVFP4QTensor.get_weights_scaling_factor`` and
+    ``NVFP4QTensor.quantize``, the path its Hugging Face export takes), byte for byte, in fp32:
+
+    * ``weight_scale_2 = amax / 2688`` (when not given; a fused layer passes the shared one);
+    * ``sf = amax_block / (6 * weight_scale_2)`` -- this operation order: ``6 * ws2`` is rounded first, and
+      it decides E4M3 rounding ties; an ``sf`` of exactly 0 (an all-zero block) becomes 1.0; then
+      ``sf = e4m3(clamp(sf, 2^-9, 448))`` (scales below E4M3's range are clamped up, not flushed);
+    * ``q = e2m1(x / (sf * weight_scale_2))``, nearest, ties to even, saturating; the sign bit is set for
+      values ``< 0`` only, so ``-0.0`` encodes as code 0 (``e2m1_encode`` gives 8, the hardware's choice).
+
+    One documented divergence (docs/format.md): where ``sf * weight_scale_2`` is 0 -- an all-zero tensor
+    (``weight_scale_2 = 0``) -- ModelOpt computes 0/0 and writes NaN scales and code 7; here the blocks get
+    ModelOpt's zero-block scale 1.0 and code 0, so the tensor still decodes to zeros.
+    Non-finite weights are out of scope (ModelOpt's amax propagates NaN; here NaN is ignored in amaxes)."""
     if w.dim() != 2:
         raise ValueError(f"expected a 2-D weight [N, K], got shape {tuple(w.shape)}")
     xb = _blocks(w)
     if weight_scale_2 is None:
         weight_scale_2 = decode_scale_from_amax(torch.nan_to_num(w.float().abs(), nan=0.0).amax())
     ws2 = torch.as_tensor(weight_scale_2, dtype=torch.float32, device=w.device).reshape(())
+    if not bool(torch.isfinite(ws2)) or float(ws2) < 0:
+        raise ValueError(f"weight_scale_2 must be finite and >= 0, got {float(ws2)!r}")
     block_amax = _block_amax(xb)
-    # An all-zero block gets scale 0 even when weight_scale_2 is 0 too (an all-zero tensor), instead of 0/0 = NaN.
-    unrounded = _ieee_div(_ieee_div(block_amax, E2M1_MAX), ws2)
-    sf = e4m3_encode(torch.where(block_amax == 0, torch.zeros_like(block_amax), unrounded))
+    unrounded = _ieee_div(block_amax, ws2 * E2M1_MAX)
+    unrounded = torch.where(block_amax == 0, torch.zeros_like(unrounded), unrounded)  # 0/0 of an all-zero tensor
+    unrounded = torch.where(unrounded == 0, torch.ones_like(unrounded), unrounded)
+    sf = e4m3_encode(unrounded.clamp(min=MODELOPT_MIN_BLOCK_SCALE))
     denom = sf.float().unsqueeze(-1) * ws2
-    scaled = torch.where(denom == 0, torch.zeros_like(xb), xb / denom)
-    codes = e2m1_encode(scaled).reshape(w.shape)
+    scaled = xb / denom
+    scaled = torch.where((denom == 0) & (xb == 0), torch.zeros_like(scaled), scaled)
+    codes = e2m1_encode(scaled)
+    codes = torch.where(scaled < 0, codes | 8, codes & 7).reshape(w.shape)
     return NVFP4Weight(pack_nibbles(codes), sf, ws2.clone())
 
 

@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from conformance.checks_dense import NAMED_CHECKS, failing_checks
+from conformance.checks_dense import (
+    NAMED_CHECKS,
+    check_within_error_bound_figures,
+    failing_checks,
+    run_dense_case,
+    single_rounding_figures,
+)
 from conformance.dense_cases import CPU_CASES
 from tests.mutants.dense import MUTANTS, VARIANTS
 
@@ -17,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_every_mutant_names_a_real_check():
-    assert len(MUTANTS) >= 12
+    assert len(MUTANTS) >= 17
     for mutant in MUTANTS:
         assert mutant.caught_by in NAMED_CHECKS, f"{mutant.__name__}.caught_by = {mutant.caught_by!r}"
 
@@ -34,9 +40,33 @@ def test_mutant_is_rejected(mutant, record_property):
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.__name__)
-def test_correct_variant_is_accepted(variant):
+def test_correct_variant_is_accepted(variant, record_property):
+    """Every named check passes on every cpu case; the worst figures are recorded (junit properties): the bound
+    ratio over all cases, and on the single-rounding cases the direction statistic and the ulp error spread
+    as fractions of their limits."""
     backend = variant()
-    rejected = {case.id: failures for case in CPU_CASES if (failures := failing_checks(backend, case))}
+    rejected, worst = {}, {"bound_ratio": 0.0, "toward_zero_fraction": 0.0, "direction_vs_limit": 0.0,
+                           "mean_sq_ulps": 0.0, "spread_vs_limit": 0.0}
+    for case in CPU_CASES:
+        run = run_dense_case(backend, case)
+        failures = {}
+        for name, check in NAMED_CHECKS.items():
+            try:
+                check(run, backend)
+            except AssertionError as exc:
+                failures[name] = str(exc).splitlines()[0]
+        if failures:
+            rejected[case.id] = failures
+            continue
+        worst["bound_ratio"] = max(worst["bound_ratio"], check_within_error_bound_figures(run).bound_ratio)
+        if case.strict_checks:
+            fig = single_rounding_figures(run)
+            worst["toward_zero_fraction"] = max(worst["toward_zero_fraction"], fig.toward_zero_fraction)
+            worst["direction_vs_limit"] = max(worst["direction_vs_limit"], fig.toward_zero_fraction / fig.direction_limit)
+            worst["mean_sq_ulps"] = max(worst["mean_sq_ulps"], fig.mean_sq_ulps)
+            worst["spread_vs_limit"] = max(worst["spread_vs_limit"], fig.mean_sq_ulps / fig.mean_sq_ulps_limit)
+    for name, value in worst.items():
+        record_property(f"worst_{name}", round(value, 4))
     assert not rejected, f"{variant.__name__} ({variant.__doc__.strip()}) was rejected: {rejected}"
 
 

@@ -25,3 +25,17 @@ def test_sglang_layer_code_importable():
         "sglang.srt.models.qwen3_5",
     ):
         import_sglang_module(module)
+
+
+def test_modelopt_quantizer_installed_with_its_cpu_dependencies():
+    """nvidia-modelopt 0.47.0 (the ModelOpt-recipe oracle) and what its quantizer import needs. Checked without
+    importing ModelOpt (a ~10 s import, paid once by tests/test_nvfp4_oracles.py)."""
+    from importlib.metadata import files, version
+    from importlib.util import find_spec
+
+    from conformance.format_oracles import MODELOPT_VERSION
+
+    assert version("nvidia-modelopt") == MODELOPT_VERSION
+    assert any(str(f) == "modelopt/torch/quantization/qtensor/nvfp4_tensor.py" for f in files("nvidia-modelopt"))
+    missing = [m for m in ("omegaconf", "pulp", "scipy", "pydantic", "regex", "rich", "yaml", "requests", "huggingface_hub") if find_spec(m) is None]
+    assert not missing, f"missing ModelOpt import dependencies {missing}: pip install -r ci/requirements-modelopt-cpu.txt"

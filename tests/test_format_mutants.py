@@ -162,6 +162,53 @@ def kernel_one_code_off(x, global_sf):
     return packed, sf
 
 
+_REFERENCE_QUANTIZE_MODELOPT = F.quantize_modelopt
+
+
+def _modelopt_with(w, weight_scale_2=None, *, divide_by_6_first=False, zero_block_scale=1.0, clamp_underflow=True,
+                   minus_zero_code_8=False) -> F.NVFP4Weight:
+    """The ModelOpt recipe written out with one detail switchable (each mutant flips one)."""
+    xb = w.float().reshape(w.shape[0], -1, 16)
+    ws2 = torch.as_tensor(weight_scale_2 if weight_scale_2 is not None
+                          else w.float().abs().amax() / 2688.0, dtype=torch.float32)
+    amax = xb.abs().amax(-1)
+    ideal = amax / 6.0 / ws2 if divide_by_6_first else amax / (6.0 * ws2)
+    ideal = torch.where(amax == 0, torch.full_like(ideal, zero_block_scale), ideal)
+    if clamp_underflow:
+        ideal = ideal.clamp(min=2.0**-9)
+    sf = ideal.clamp(max=448.0).to(torch.float8_e4m3fn)
+    scaled = xb / (sf.float().unsqueeze(-1) * ws2)
+    scaled = torch.nan_to_num(scaled, nan=0.0)
+    codes = F.e2m1_encode(scaled)
+    if not minus_zero_code_8:
+        codes = torch.where(scaled < 0, codes | 8, codes & 7)
+    return F.NVFP4Weight(F.pack_nibbles(codes.reshape(w.shape)), sf, ws2)
+
+
+def modelopt_division_order_swapped(w, weight_scale_2=None):
+    """``(amax / 6) / ws2`` instead of ModelOpt's ``amax / (6 * ws2)``: differs at E4M3 rounding ties."""
+    return _modelopt_with(w, weight_scale_2, divide_by_6_first=True)
+
+
+def modelopt_zero_block_scale_0(w, weight_scale_2=None):
+    return _modelopt_with(w, weight_scale_2, zero_block_scale=0.0)
+
+
+def modelopt_underflow_flushed(w, weight_scale_2=None):
+    """Ideal scales below E4M3's range round (to 0 or 2^-9) instead of ModelOpt's clamp to 2^-9."""
+    return _modelopt_with(w, weight_scale_2, clamp_underflow=False)
+
+
+def modelopt_minus_zero_code_8(w, weight_scale_2=None):
+    return _modelopt_with(w, weight_scale_2, minus_zero_code_8=True)
+
+
+def modelopt_written_out(w, weight_scale_2=None):
+    """Correct but different: the recipe step by step (no special case for weight_scale_2 = 0, which the
+    families never combine with non-zero weights)."""
+    return _modelopt_with(w, weight_scale_2)
+
+
 @dataclass(frozen=True)
 class Mutant:
     id: str
@@ -191,12 +238,17 @@ MUTANTS = [
            ("flashinfer-kernel", "conformance-swizzle")),
     Mutant("kernel-one-scale-byte-off", "quantize_kernel", kernel_one_scale_byte_off, ("flashinfer-kernel",)),
     Mutant("kernel-one-code-off", "quantize_kernel", kernel_one_code_off, ("flashinfer-kernel",)),
+    Mutant("modelopt-division-order-swapped", "quantize_modelopt", modelopt_division_order_swapped, ("modelopt-numpy",)),
+    Mutant("modelopt-zero-block-scale-0", "quantize_modelopt", modelopt_zero_block_scale_0, ("modelopt-numpy",)),
+    Mutant("modelopt-underflow-flushed", "quantize_modelopt", modelopt_underflow_flushed, ("modelopt-numpy",)),
+    Mutant("modelopt-minus-zero-code-8", "quantize_modelopt", modelopt_minus_zero_code_8, ("modelopt-numpy",)),
 ]
 
 CORRECT_BUT_DIFFERENT = [
     Mutant("e2m1-nearest-search", "e2m1_encode", e2m1_nearest_search,
            ("ml_dtypes-e2m1", "flashinfer-kernel", "modelopt-numpy", "conformance-encode")),
     Mutant("swizzle-tile-picture", "swizzle_128x4", swizzle_by_tiles_impl, ("flashinfer-kernel",)),
+    Mutant("modelopt-written-out", "quantize_modelopt", modelopt_written_out, ("modelopt-numpy",)),
 ]
 
 

@@ -23,16 +23,19 @@ from tests.mutants.moe import MUTANTS, VARIANTS, InputScaleFoldedIntoAlpha, Kern
 
 CPU_CASES = {c.id: c for c in MOE_CASES if c.tier == "cpu"}
 #: Small cases that together exercise every mutant's bug: I = 192 (64-row chunks matter), top-2 weights,
-#: expert parallel, the last expert hot, untied gate/up scales, and a non-gated activation.
-PROBE_CASES = [CPU_CASES[i] for i in (
-    "t7_e8_k2_h192_i192", "t128_e8_k2_ep2", "t7_e8_k1_ep4_all_to_last", "t128_e8_k2_gate_up_pow2",
-    "t128_e8_k2_relu2",
+#: expert parallel, the last expert hot, untied gate/up scales, a non-gated activation, duplicate and -1 ids,
+#: weights that do not sum to 1, activations beyond FP16, EP ranks that own none of a token's experts.
+PROBE_CASES = [CPU_CASES[i] for i in (  # cheapest first: a mutant stops at the first case its check rejects
+    "t32_e8_k2_x_beyond_fp16", "t32_e8_k2_duplicate_ids", "t32_e8_k2_padding_ids", "t7_e8_k2_h192_i192",
+    "t7_e8_k1_ep4_all_to_last", "t128_e8_k2_gate_up_pow2", "t32_e16_k2_rank0_only_ep4", "t128_e8_k2_ep2",
+    "t128_e8_k2_relu2", "t128_e64_k8_h256_i128_softmax",
 )]
 #: Variants must pass everything: small cases covering the 64-row interleave, EP, untied scales, a clamped
 #: activation, and the declined general ratio.
 VARIANT_CASES = [CPU_CASES[i] for i in (
     "t7_e8_k2_h192_i192", "t7_e8_k1_ep4_all_to_last", "t128_e8_k2_gate_up_pow2", "t128_e8_k2_swiglu_oai",
-    "t128_e8_k2_gate_up_general",
+    "t128_e8_k2_gate_up_general", "t32_e16_k4_duplicate_ids_ep2", "t32_e8_k2_padding_ids",
+    "t32_e8_k4_all_slots_one_expert", "t32_e8_k2_x_below_fp16_normal",
 )]
 
 

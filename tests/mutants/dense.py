@@ -213,6 +213,45 @@ class E4M3SubnormalsFlushed(PlainDense):
         return super().decode_weight(_with(layer, weight_scale=flushed))
 
 
+class Fp16Activations(PlainDense):
+    """Converts the BF16 activations to FP16 before the GEMM (an FP16 kernel reused for W4A16): exact inside
+    [2^-14, 65504], inf beyond, bits lost or flushed below."""
+
+    caught_by = "check_within_error_bound"
+
+    def prescale(self, x, layer):
+        return super().prescale(x.half(), layer)
+
+
+class Bf16SplitKPartials(PlainDense):
+    """Split-K with the partial sums stored in BF16 (the workspace in the output dtype): one extra rounding of
+    each partial before the final sum. Within the error bound; not a single rounding."""
+
+    caught_by = "check_correctly_rounded"
+
+    def gemm(self, x, w):
+        half = x.shape[1] // 2
+        return (x[:, :half] @ w[:, :half].T).bfloat16().float() + (x[:, half:] @ w[:, half:].T).bfloat16().float()
+
+
+class TruncatingOutputConversion(PlainDense):
+    """Converts the fp32 result to BF16 by dropping the low 16 bits (round toward zero) instead of rounding to
+    nearest. Within the error bound; biased toward zero."""
+
+    caught_by = "check_rounding_direction"
+
+    def epilogue(self, acc, layer):
+        out = acc * self.alpha(layer)
+        if layer.bias is not None:
+            out = out + layer.bias.float()
+        return _truncate_to_bf16(out)
+
+
+def _truncate_to_bf16(v: torch.Tensor) -> torch.Tensor:
+    bits = v.contiguous().view(torch.int32) & ~0xFFFF
+    return torch.where(torch.isfinite(v), bits.view(torch.float32), v).bfloat16()
+
+
 MUTANTS: tuple[type[PlainDense], ...] = (
     NibbleSwapped,
     UnswizzledScalesReadAsSwizzled,
@@ -228,6 +267,9 @@ MUTANTS: tuple[type[PlainDense], ...] = (
     TransposedWeight,
     NonFiniteScrubbed,
     E4M3SubnormalsFlushed,
+    Fp16Activations,
+    Bf16SplitKPartials,
+    TruncatingOutputConversion,
 )
 
 
@@ -285,7 +327,42 @@ class SwizzledRoundTrip(PlainDense):
         return super().run_dense(_with(layer, weight_scale=raw.view(torch.float8_e4m3fn)), x)
 
 
-VARIANTS: tuple[type[PlainDense], ...] = (ReversedKOrder, Fp32DequantThenBf16Gemm, SplitK, SwizzledRoundTrip)
+class Fp64Accumulation(PlainDense):
+    """Accumulates (and applies alpha and the bias) in fp64, then one rounding to bf16."""
+
+    def gemm(self, x, w):
+        return x.double() @ w.double().T
+
+    def epilogue(self, acc, layer):
+        out = acc * self.alpha(layer).double()
+        return (out if layer.bias is None else out + layer.bias.double()).bfloat16()
+
+
+class TruncatingFp32Accumulation(PlainDense):
+    """Tensor-core-like accumulation: each MMA step sums a block of 16 products exactly (the wide internal
+    adder) and adds it to the fp32 accumulator rounding toward zero (the adders align and truncate); then
+    alpha and one round-to-nearest to bf16."""
+
+    mma_k = 16
+
+    def gemm(self, x, w):
+        acc = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float64)
+        for s in range(0, x.shape[1], self.mma_k):
+            block = x[:, s : s + self.mma_k].double() @ w[:, s : s + self.mma_k].double().T  # exact products
+            acc = _fp32_toward_zero(acc + block)
+        return acc.float()
+
+
+def _fp32_toward_zero(v: torch.Tensor) -> torch.Tensor:
+    """fp64 values rounded to fp32 toward zero (returned as fp64); inf and NaN stay as they are."""
+    nearest = v.float()
+    away = torch.isfinite(nearest) & (nearest.double().abs() > v.abs())
+    return torch.where(away, torch.nextafter(nearest, torch.zeros_like(nearest)), nearest).double()
+
+
+VARIANTS: tuple[type[PlainDense], ...] = (
+    ReversedKOrder, Fp32DequantThenBf16Gemm, SplitK, SwizzledRoundTrip, Fp64Accumulation, TruncatingFp32Accumulation,
+)
 
 
 def _rest(layer: DenseLayer) -> tuple:

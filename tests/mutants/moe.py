@@ -195,9 +195,92 @@ class Float32Output(KernelLayoutMoE):
         return fused_moe_w4a16(x, ids, w, experts, out_dtype=torch.float32)
 
 
+class DuplicateIdsCountedOnce(KernelLayoutMoE):
+    """Deduplicates a token's expert ids (a set of experts per token): the second slot naming the same expert is
+    dropped with its weight, instead of adding to the first."""
+
+    caught_by = "moe_within_bound"
+
+    def routing(self, prepared, ids, w):
+        ids = ids.clone()
+        for k in range(1, ids.shape[1]):
+            seen = (ids[:, k : k + 1] == ids[:, :k]).any(dim=1)
+            ids[:, k] = torch.where(seen & (ids[:, k] >= 0), torch.full_like(ids[:, k], -1), ids[:, k])
+        return ids, w
+
+
+class PaddingIdWrapsToLastExpert(KernelLayoutMoE):
+    """Indexes experts with the raw id, so -1 wraps around to the last global expert (Python/torch negative
+    indexing) and the padded slot is computed with its garbage weight."""
+
+    caught_by = "moe_within_bound"
+
+    def routing(self, prepared, ids, w):
+        e = prepared.experts.num_global_experts or prepared.experts.num_local_experts
+        return torch.where(ids < 0, ids + e, ids), w
+
+
+class PaddingSlotMaskedByZeroWeight(KernelLayoutMoE):
+    """Masks a -1 slot by sending it to expert 0 with its weight multiplied by 0: the weight is read (NaN * 0 is
+    NaN), although a skipped slot's weight must never be read."""
+
+    caught_by = "moe_within_bound"
+
+    def routing(self, prepared, ids, w):
+        offset = prepared.experts.ep_rank * prepared.experts.num_local_experts
+        skipped = ids < 0
+        return torch.where(skipped, torch.full_like(ids, offset), ids), torch.where(skipped, w * 0.0, w)
+
+
+class PaddingIdEndsTheTokensList(KernelLayoutMoE):
+    """Treats -1 as the end of a token's list: the slots after the first -1 are dropped too."""
+
+    caught_by = "moe_within_bound"
+
+    def routing(self, prepared, ids, w):
+        after = torch.cumsum((ids < 0).int(), dim=1) > 0
+        return torch.where(after, torch.full_like(ids, -1), ids), w
+
+
+class TopkWeightsRenormalized(KernelLayoutMoE):
+    """Renormalizes the top-k weights to sum to 1 (assumes a renormalizing router): wrong for routers that do not
+    (plain softmax top-k, DeepSeek's routed_scaling_factor)."""
+
+    caught_by = "moe_within_bound"
+
+    def routing(self, prepared, ids, w):
+        valid = ids >= 0
+        total = torch.where(valid, w, torch.zeros_like(w)).sum(dim=1, keepdim=True)
+        return ids, torch.where(valid, w / total, w)
+
+
+class Fp16HiddenStates(KernelLayoutMoE):
+    """Converts the BF16 hidden states to FP16 and back before the experts (an FP16 MoE kernel reused)."""
+
+    caught_by = "moe_within_bound"
+
+    def evaluate(self, x, ids, w, experts):
+        return fused_moe_w4a16(x.half().to(torch.bfloat16), ids, w, experts)
+
+
+class UnroutedRowsNotZeroed(KernelLayoutMoE):
+    """Rows of tokens with no expert on this rank keep the input (a residual buffer reused as output) instead of
+    zero, so the expert-parallel all-reduce adds garbage."""
+
+    caught_by = "moe_within_bound"
+
+    def evaluate(self, x, ids, w, experts):
+        out = fused_moe_w4a16(x, ids, w, experts)
+        offset = experts.ep_rank * experts.num_local_experts
+        local = ((ids.long() >= offset) & (ids.long() < offset + experts.num_local_experts)).any(dim=1)
+        return torch.where(local.view(-1, 1), out, x)
+
+
 MUTANTS = (
     GateUpSwapped, Interleave32Rows, InputScaleFoldedIntoAlpha, RoutingWeightsIgnored, ExpertOffsetIgnored,
     ActivationOnUpHalf, LastExpertDropped, GateScaleForBothHalves, NondeterministicCombine, Float32Output,
+    DuplicateIdsCountedOnce, PaddingIdWrapsToLastExpert, PaddingSlotMaskedByZeroWeight, PaddingIdEndsTheTokensList,
+    TopkWeightsRenormalized, Fp16HiddenStates, UnroutedRowsNotZeroed,
 )
 
 
@@ -232,6 +315,20 @@ class PerSlotBf16Combine(KernelLayoutMoE):
         return out
 
 
+class DuplicateSlotsMerged(KernelLayoutMoE):
+    """Merges slots naming the same expert into one with the summed weight (``w1 E(x) + w2 E(x) = (w1 + w2) E(x)``,
+    one expert evaluation instead of two): the duplicate contract, computed another way."""
+
+    def routing(self, prepared, ids, w):
+        ids, w = ids.clone(), w.clone()
+        for k in range(1, ids.shape[1]):
+            for j in range(k):
+                same = (ids[:, k] == ids[:, j]) & (ids[:, j] >= 0)
+                w[:, j] = torch.where(same, w[:, j] + w[:, k], w[:, j])
+                ids[:, k] = torch.where(same, torch.full_like(ids[:, k], -1), ids[:, k])
+        return ids, w
+
+
 class FlashInferAdapterOnEmulator(Backend):
     """The real FlashInfer adapter (:mod:`conformance.backends.flashinfer_moe`) driving the pure-PyTorch
     ``CuteDslMoEWrapper`` emulator (:mod:`reference_impl.flashinfer_emulator`) instead of the GPU kernel:
@@ -259,4 +356,5 @@ class FlashInferAdapterOnEmulator(Backend):
         return flashinfer_moe.run_moe(prepared, x, topk_ids, topk_weights)
 
 
-VARIANTS = (KernelLayoutMoE, ExpertsInReverseOrder, TokensRegrouped, PerSlotBf16Combine, FlashInferAdapterOnEmulator)
+VARIANTS = (KernelLayoutMoE, ExpertsInReverseOrder, TokensRegrouped, PerSlotBf16Combine, DuplicateSlotsMerged,
+            FlashInferAdapterOnEmulator)
