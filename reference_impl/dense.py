@@ -132,7 +132,7 @@ def _addmm_fp32(bias: torch.Tensor, a: torch.Tensor, w: torch.Tensor, alpha: flo
         wf = w_fp32 if w_fp32 is not None else w.float()
         return torch.addmm(bias if accumulate is None else accumulate, af, wf.T, alpha=alpha)
     out = torch.empty(a.shape[0], n, dtype=torch.float32, device=a.device)
-    for start in range(0, n, step):  # the upcast is exact, so chunking changes nothing
+    for start in range(0, n, step):  # the upcast is exact: chunking can change only the BLAS's summation order
         stop = min(start + step, n)
         c = bias[start:stop] if accumulate is None else accumulate[:, start:stop]
         out[:, start:stop] = torch.addmm(c, af, w[start:stop].float().T, alpha=alpha)
