@@ -10,8 +10,8 @@ For each shape the backend's time is set against two yardsticks measured in the 
   in, output out), the copy bandwidth is a measured device-to-device copy (read + write) and the rate a
   measured large BF16 matmul.
 
-Timing (:func:`median_time`): on CUDA, CUDA events around each call, ``WARMUP`` calls first, the median of
-``REPEATS`` calls, and the L2 cache flushed before every timed call (a 256 MiB memset, outside the events):
+Timing (:meth:`Timer.medians`): on CUDA, CUDA events around each call, ``WARMUP`` calls first, the median of
+``REPEATS`` calls, the backend's and the baseline's calls interleaved (drift reaches both alike), and the L2 cache flushed before every timed call (a 256 MiB memset, outside the events):
 at decode sizes a layer's packed weights (9 MiB for 4096x4096) would otherwise sit in the 50-60 MiB L2 of
 an H100/H200 and the backend would be timed on cache bandwidth. The flush is queued ahead of the call, so
 host-side launch latency overlaps it and the events see device time (a call that synchronizes the host
@@ -52,25 +52,34 @@ class Timer:
         self._flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=device) if device.type == "cuda" else None
 
     def median(self, fn: Callable[[], Any]) -> float:
+        return self.medians(fn)[0]
+
+    def medians(self, *fns: Callable[[], Any]) -> tuple[float, ...]:
+        """The median time of each of ``fns``, measured interleaved (every repeat times each once, in turn),
+        so that drift over the run (clocks, a neighbour's load, allocator state) reaches all of them alike
+        and their ratio stays meaningful."""
         for _ in range(self.warmup):
-            fn()
-        if self.device.type != "cuda":
-            times = []
-            for _ in range(self.repeats):
-                start = time.perf_counter()
+            for fn in fns:
                 fn()
-                times.append(time.perf_counter() - start)
-            return statistics.median(times)
-        events = []
+        if self.device.type != "cuda":
+            times: list[list[float]] = [[] for _ in fns]
+            for _ in range(self.repeats):
+                for fn, out in zip(fns, times):
+                    start = time.perf_counter()
+                    fn()
+                    out.append(time.perf_counter() - start)
+            return tuple(statistics.median(t) for t in times)
+        events: list[list[tuple[torch.cuda.Event, torch.cuda.Event]]] = [[] for _ in fns]
         for _ in range(self.repeats):
-            self._flush.zero_()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            events.append((start, end))
+            for fn, out in zip(fns, events):
+                self._flush.zero_()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                out.append((start, end))
         torch.cuda.synchronize(self.device)
-        return statistics.median(s.elapsed_time(e) for s, e in events) / 1e3
+        return tuple(statistics.median(s.elapsed_time(e) for s, e in ev) / 1e3 for ev in events)
 
 
 @dataclass(frozen=True)
@@ -167,8 +176,7 @@ def measure_dense(backend: Backend, n: int, k: int, m: int, rates: DeviceRates, 
     prepared = backend.prepare_dense(random_dense_layer(n, k, device), device)
     x = torch.randn(m, k, generator=g, device=device).bfloat16()
     w_bf16 = torch.randn(n, k, generator=g, device=device).bfloat16()
-    t = timer.median(lambda: backend.run_dense(prepared, x))
-    t_mm = timer.median(lambda: torch.matmul(x, w_bf16.T))
+    t, t_mm = timer.medians(lambda: backend.run_dense(prepared, x), lambda: torch.matmul(x, w_bf16.T))
     nbytes, flops = dense_bytes_and_flops(m, n, k)
     return PerfRow("dense", backend.name, f"{n}x{k}", m, t, t_mm, rates.floor_time(nbytes, flops), nbytes, flops,
                    "torch.matmul bf16")
@@ -271,8 +279,7 @@ def measure_moe(backend: Backend, name: str, num_experts: int, hidden: int, inte
     experts, prepared, baseline = cache[key]
     ids, weights = random_routing(tokens, num_experts, top_k, device)
     x = torch.randn(tokens, hidden, generator=torch.Generator(device=device).manual_seed(2), device=device).bfloat16()
-    t = timer.median(lambda: backend.run_moe(prepared, x, ids, weights))
-    t_base = timer.median(lambda: baseline(x, ids, weights))
+    t, t_base = timer.medians(lambda: backend.run_moe(prepared, x, ids, weights), lambda: baseline(x, ids, weights))
     used = int(torch.unique(ids).numel())
     nbytes, flops = moe_bytes_and_flops(tokens, top_k, hidden, inter, used)
     shape = f"{name} E={num_experts} {hidden}x{inter} top{top_k}"
