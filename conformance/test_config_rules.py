@@ -58,3 +58,10 @@ def test_quant_method(rules_check, case):
 @pytest.mark.parametrize("case", as_params(load_matrix("mixed_layers")))
 def test_mixed_layers(rules_check, case):
     rules_check(case)
+
+
+@pytest.mark.parametrize("case", as_params(load_matrix("env_flags")))
+def test_env_flags(rules_check, case):
+    """Each boolean env flag in SGLang's spellings (true/yes/y/1, false/no/n/0, any case) and one invalid
+    word (SGLang warns and keeps the default): a parser that takes "false" for true, or only "1", fails."""
+    rules_check(case)

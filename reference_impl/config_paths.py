@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .config_rules import ENV_VALUES, env_true
+from .config_rules import env_true
 
 # ---- CuTe DSL MoE runner: what the activations look like when they reach the kernel ----------------------
 
@@ -41,8 +41,6 @@ def cutedsl_moe_activation(*, quantization: str, env_w4a16: str, env_per_token: 
         raise ValueError(f"quantization must be one of {MOE_QUANTIZATIONS}, got {quantization!r}")
     if dispatch not in MOE_DISPATCH_KINDS:
         raise ValueError(f"dispatch must be one of {MOE_DISPATCH_KINDS}, got {dispatch!r}")
-    if env_per_token not in ENV_VALUES:
-        raise ValueError(f"env value must be one of {ENV_VALUES}, got {env_per_token!r}")
     w4a16 = env_true(env_w4a16)
     config_per_token = quantization == "nvfp4_online" or env_true(env_per_token)
     per_token = config_per_token and not w4a16

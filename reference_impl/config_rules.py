@@ -4,8 +4,9 @@ Written from SPEC.md section 4 and the pinned SGLang 0.5.23 code it points to (w
 wins; each such point is marked ``CODE:``). Every function takes plain strings and returns plain values, or
 raises the exception type the engine raises, with a message carrying the engine's wording.
 
-Environment variables are given as ``"unset"``, ``"0"`` or ``"1"``; SGLang distinguishes *unset* from
-*set to false* for ``SGLANG_MOE_NVFP4_DISPATCH`` (``is_set()`` versus ``get()``), so we keep all three.
+Environment variables are given as ``"unset"`` or the string the variable is set to (the matrices use
+``"0"``/``"1"``; the ``env_flags`` matrix other spellings, see :func:`env_true`); SGLang distinguishes *unset*
+from *set to false* for ``SGLANG_MOE_NVFP4_DISPATCH`` (``is_set()`` versus ``get()``), so we keep both.
 
 Rule profiles: the functions whose rule changed upstream after 0.5.23 take ``profile`` (one of
 :data:`PROFILES`). ``sglang-0.5.23`` is the pinned release; ``sglang-main`` is SGLang's main branch on the
@@ -25,7 +26,11 @@ A2A_BACKENDS = ("none", "deepep", "flashinfer")
 DEEPEP_MODES = ("auto", "low_latency", "normal")
 DISPATCH_TYPES = ("none", "auto", "bf16", "nvfp4", "mxfp8")
 QUANTIZATIONS = ("modelopt_fp4", "mxfp8", "bf16")
-ENV_VALUES = ("unset", "0", "1")
+ENV_VALUES = ("unset", "0", "1")  # the values the matrices combine
+# CODE (sglang.srt.environ.EnvBool.parse, case-insensitive): the spellings of true and false. Any other value
+# is invalid: SGLang warns and uses the variable's default (False for every flag these rules read).
+ENV_TRUE_SPELLINGS = ("true", "1", "yes", "y")
+ENV_FALSE_SPELLINGS = ("false", "0", "no", "n")
 
 
 class RejectedEarlier(Exception):
@@ -44,9 +49,10 @@ def check_profile(profile: str) -> str:
 
 
 def env_true(value: str) -> bool:
-    if value not in ENV_VALUES:
-        raise ValueError(f"env value must be one of {ENV_VALUES}, got {value!r}")
-    return value == "1"
+    """An SGLang boolean env flag's value: ``"unset"`` or the string it is set to (see ENV_TRUE_SPELLINGS)."""
+    if not isinstance(value, str):
+        raise TypeError(f"env value must be a string ('unset' or the variable's text), got {value!r}")
+    return value != "unset" and value.lower() in ENV_TRUE_SPELLINGS
 
 
 # ---- dense -----------------------------------------------------------------------------------------------

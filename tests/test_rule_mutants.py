@@ -7,6 +7,9 @@ import pytest
 from conformance.engines.matrix import DEFAULT_PROFILE, MATRICES, load_matrix, mismatch, profile_names, run_case
 from conformance.engines.reference import ReferenceRules
 from tests.mutants.rules import ACCEPTED_VARIANTS, MUTANTS, PROFILE_MUTANTS
+from tests.mutants.rules_redteam import REDTEAM_MUTANTS
+
+ALL_MUTANTS = {**MUTANTS, **REDTEAM_MUTANTS}
 
 
 def _failures(engine, matrix: str, profile: str = DEFAULT_PROFILE) -> dict[str, str]:
@@ -21,9 +24,9 @@ def _failures(engine, matrix: str, profile: str = DEFAULT_PROFILE) -> dict[str, 
     return failures
 
 
-@pytest.mark.parametrize("mutant", list(MUTANTS), ids=lambda m: m.name)
+@pytest.mark.parametrize("mutant", list(ALL_MUTANTS), ids=lambda m: m.name)
 def test_mutant_is_caught(mutant):
-    matrix, catching_case = MUTANTS[mutant]
+    matrix, catching_case = ALL_MUTANTS[mutant]
     failures = _failures(mutant(), matrix)
     assert catching_case in failures, (
         f"{mutant.name} not caught by {matrix}[{catching_case}]; failing cases: {sorted(failures)[:5]}")
@@ -115,6 +118,9 @@ def test_sglang_engine_runs_sglang_code():
          "NVFP4-hf_quant_config"),
         (engine.mq.ModelOptMixedPrecisionConfig, "_quantized_layer_prefix_candidates", staticmethod(lambda p: (p,)),
          "mixed_layers", "vl-W4A16_NVFP4-shared_gate_up_proj"),
+        # SGLang's own env parsing is what env_flags exercises: a parser taking any word but "0" for true fails.
+        (import_sglang_module("sglang.srt.environ").EnvBool, "parse", lambda self, value: value != "0",
+         "env_flags", "w4a16_dense=false"),
     ]
     for module, attr, broken, matrix, case_id in breakages:
         (case,) = [c for c in load_matrix(matrix) if c.id == case_id]

@@ -86,13 +86,15 @@ def perf_selected(config: pytest.Config) -> bool:
     return "perf" in (config.getoption("markexpr", "") or "")
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if perf_selected(config):
-        return
-    skip = pytest.mark.skip(reason="perf tier: measurements run only when selected (pytest -m perf)")
-    for item in items:
-        if item.get_closest_marker("perf") is not None:
-            item.add_marker(skip)
+PERF_NOT_SELECTED = "perf tier: measurements run only when selected (pytest -m perf)"
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Skip a perf test the run did not select. At setup and last, so that a host lacking the test's tier
+    (e.g. ``-m b200`` on a machine without SM100) reports that reason first, not this one."""
+    if item.get_closest_marker("perf") is not None and not perf_selected(item.config):
+        pytest.skip(PERF_NOT_SELECTED)
 
 
 @pytest.fixture

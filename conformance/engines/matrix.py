@@ -21,7 +21,7 @@ FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "config_rules"
 PROFILES_DIR = FIXTURES / "profiles"
 DEFAULT_PROFILE = "sglang-0.5.23"
 MATRICES = ("dense", "fp4_gemm", "fp4_backend", "moe", "a2a", "fusion", "moe_activation", "fp4_dispatch",
-            "quant_method", "mixed_layers", "lm_head", "reload", "derived_param")
+            "quant_method", "mixed_layers", "lm_head", "reload", "derived_param", "env_flags")
 
 
 @functools.lru_cache(maxsize=None)
@@ -158,6 +158,14 @@ def _mixed(engine: RulesEngine, case: RuleCase) -> dict[str, Any]:
     return engine.mixed_layer(layers, case.context["packed"], kind, prefix)
 
 
+def _env_flag(engine: RulesEngine, case: RuleCase) -> dict[str, Any]:
+    """One env flag spelling, asked through the question the matrix file names for the flag (its fixed inputs
+    plus the flag's value, passed on verbatim: the engine parses it, as SGLang parses the variable)."""
+    question = case.context["questions"][case.inputs["flag"]]
+    inputs = {**question["inputs"], question["flag_input"]: case.inputs["value"]}
+    return _DISPATCH[question["matrix"]](engine, RuleCase(question["matrix"], case.id, inputs, case.expected))
+
+
 _DISPATCH = {
     "dense": lambda e, c: e.resolve_dense(c.inputs),
     "fp4_gemm": lambda e, c: e.fp4_gemm_dispatch(c.inputs),
@@ -172,6 +180,7 @@ _DISPATCH = {
     "lm_head": _lm_head,
     "reload": _reload,
     "derived_param": _derived,
+    "env_flags": _env_flag,
 }
 
 
