@@ -88,6 +88,47 @@ def drops_requests_during_reload() -> dict:
     return {"scheduler_cls": _DroppingScheduler}
 
 
+class _AbortingPauseScheduler(Scheduler):
+    """vLLM's ``/pause?mode=wait`` treated as ``mode=abort``: the generate requests in flight when the pause
+    drains the queue (its "flush" job) are answered as aborted instead of being finished. Generation takes
+    0.2 s a batch (a slow engine), so the requests sent just before a reload are in flight when it pauses."""
+
+    def __init__(self, runtime):
+        self._abort = threading.Event()
+        super().__init__(runtime)
+
+    async def submit(self, kind, arg):
+        if kind == "flush":
+            self._abort.set()
+            with self._cv:
+                queued = [j for j in self._jobs if j.kind == "generate"]
+                self._jobs = type(self._jobs)(j for j in self._jobs if j.kind != "generate")
+            for job in queued:
+                job.resolve(_aborted(job))
+        return await super().submit(kind, arg)
+
+    def run_batch(self, batch):
+        if batch[0].kind == "flush":
+            self._abort.clear()
+        super().run_batch(batch)
+
+    def run_generate(self, batch):
+        time.sleep(0.2)
+        if self._abort.is_set():
+            for job in batch:
+                job.resolve(_aborted(job))
+            return
+        super().run_generate(batch)
+
+
+def _aborted(job) -> list:
+    return [GenerateResult([], [], {"type": "abort", "message": "aborted by pause"}) for _ in job.arg]
+
+
+def pause_aborts_in_flight_requests() -> dict:
+    return {"scheduler_cls": _AbortingPauseScheduler}
+
+
 def half_loaded_on_failure() -> dict:
     """Copies tensor by tensor straight into the served weights and stops at the first missing one."""
     def update(self, path):
@@ -194,7 +235,8 @@ def fp32_engine() -> dict:
 MUTANTS = {f.__name__: f for f in (reload_keeps_old_weights, reload_drops_awq_scale, nondeterministic_reduction,
                                    drops_requests_during_reload, half_loaded_on_failure, batch_dependent_numerics,
                                    rebinding_reload, logprobs_truncated, logprobs_of_next_position,
-                                   reload_leaves_attention_stale, async_weight_swap, fp32_engine)}
+                                   reload_leaves_attention_stale, async_weight_swap, fp32_engine,
+                                   pause_aborts_in_flight_requests)}
 
 
 def _patched_worker(mutant: str, rank: int, cfg) -> None:

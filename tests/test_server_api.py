@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conformance.server.configs import ServerConfig, parse_configs, reference_configs
-from conformance.server.client import ServerClient
+from conformance.server.dialects import make_dialect
 from fixtures.make_checkpoints import ensure_checkpoints
 from reference_impl.model import Layout
 from reference_impl.server.parallel import LaunchConfig, RankRuntime, Topology
@@ -182,4 +182,4 @@ def test_config_parsing():
 
 def test_client_refuses_remote_hosts():
     with pytest.raises(ValueError, match="only talk to a local server"):
-        ServerClient("http://10.0.0.1:30000")
+        make_dialect("sglang", "http://10.0.0.1:30000")

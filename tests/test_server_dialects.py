@@ -170,3 +170,30 @@ def test_untrusted_completion_choice_fails(cls, change, match):
     assert d._generation(CHOICE).ids == (111, 28)
     with pytest.raises(AssertionError, match=match):
         d._generation({**CHOICE, **change})
+
+
+# ----------------------------------------------------------------------------------------- launching for a dialect
+def test_vllm_without_dev_mode_fails_naming_it(monkeypatch):
+    """A vLLM started without VLLM_SERVER_DEV_MODE answers 404 on its weight and memory endpoints: the
+    scenario fails saying how to start it, rather than with a bare 404 (and never skips)."""
+    import requests
+
+    from conformance.server.dialects import ServerDialect
+
+    missing = requests.Response()
+    missing.status_code = 404
+    monkeypatch.setattr(ServerDialect, "_call", lambda self, method, path, **kw: missing)
+    with pytest.raises(AssertionError, match=r"GET /is_sleeping answered 404: .*VLLM_SERVER_DEV_MODE=1"):
+        VLLMDialect("http://127.0.0.1:1").reload_weights("/x")
+
+
+@pytest.mark.parametrize("api,expected_code", [("vllm", 0), ("sglang", 3)])
+def test_launcher_sets_the_dialects_environment(monkeypatch, api, expected_code):
+    """``ServerProcess(api=...)`` sets the dialect's ``launch_env`` (a stand-in server exits 0 when it sees
+    VLLM_SERVER_DEV_MODE=1, 3 otherwise; the launcher reports the exit code)."""
+    from conformance.server.launcher import ServerProcess, ServerStartError
+
+    monkeypatch.delenv("VLLM_SERVER_DEV_MODE", raising=False)
+    probe = ("{python} -c \"import os,sys; sys.exit(0 if os.environ.get('VLLM_SERVER_DEV_MODE') == '1' else 3)\"")
+    with pytest.raises(ServerStartError, match=f"server exited with code {expected_code} during start-up"):
+        ServerProcess(probe, 30.0, api=api)

@@ -1,6 +1,9 @@
 """Every server scenario can fail: each mutant server (tests/mutant_servers.py) is rejected by the named
-scenario, and the correct-but-different servers (``rebinding_reload``; ``fp32_engine``, an engine's
-arithmetic) are accepted by every scenario, at TP1 and TP2 (gloo on CPU)."""
+scenario through every server dialect (conformance/server/dialects.py) that has the endpoints the mutant
+breaks, and the correct-but-different servers (``rebinding_reload``; ``fp32_engine``, an engine's
+arithmetic) are accepted by every scenario through every dialect, at TP1 and TP2 (gloo on CPU). A scenario
+a dialect cannot run skips with the dialect's reason before sending anything. The reference server speaks
+all three APIs, so one mutant server serves every dialect's cases (they run one after another)."""
 from __future__ import annotations
 
 import sys
@@ -9,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance.server.client import ServerClient
+from conformance.server.dialects import DIALECTS, ReloadResult, ServerDialect, make_dialect
 from conformance.server.launcher import ServerProcess
 from conformance.server.models import ModelCatalog
 from conformance.server.scenarios import SCENARIOS, SCENARIOS_BY_ID, fresh_outputs, run_scenario
@@ -29,6 +32,7 @@ class MutantCase:
     caught: bool  # True: the scenario must fail; False: it must pass
     match: str = ""
     tp: int = 1
+    apis: tuple[str, ...] | None = None  # None: every dialect that can run the scenario (else: why, at the case)
 
 
 CASES = [
@@ -42,9 +46,15 @@ CASES = [
                r"reload_same_checkpoint: reloaded moe-nvfp4_awq a vs the fresh start-up: prompt"),
     MutantCase("nondeterministic", "nondeterministic_reduction", "dense-nvfp4_awq", "repeated_requests_deterministic", True,
                # the first repeat is the reload-vs-fresh comparison at the scenario's start
-               r"repeated_requests_deterministic(: reloaded .* vs the fresh start-up| \(repeat \d\))"),
+               r"repeated_requests_deterministic(: (reloaded|start-up weights) .* vs the fresh start-up| \(repeat \d\))"),
+    # sglang only: vLLM's reload sequence pauses first (/pause?mode=wait drains the queue, requests sent
+    # meanwhile get 503 and the client retries them), so no request ever queues behind its reload; the
+    # same class of loss on vLLM's path is pause_aborts_in_flight_requests
     MutantCase("drops-requests", "drops_requests_during_reload", "dense-nvfp4_awq", "generate_during_reload", True,
-               r"generate_during_reload: request \d+ sent during the reload .* was lost or cut short"),
+               r"generate_during_reload: request \d+ sent during the reload .* was lost or cut short", apis=("sglang",)),
+    # vllm only: SGLang's reload has no pause (the native API never drains the queue)
+    MutantCase("pause-aborts", "pause_aborts_in_flight_requests", "dense-nvfp4_awq", "generate_during_reload", True,
+               r"generate_during_reload: request \d+ sent before the reload .* was lost or cut short", apis=("vllm",)),
     MutantCase("half-loaded", "half_loaded_on_failure", "dense-nvfp4_awq", "failed_reload_corrupt_checkpoint", True,
                r"failed_reload_corrupt_checkpoint \(old weights must keep serving\)"),
     MutantCase("half-loaded-moe", "half_loaded_on_failure", "moe-w4a16_nvfp4", "failed_reload_corrupt_checkpoint", True,
@@ -73,12 +83,24 @@ CASES = [
     MutantCase("rebinding-reload-concurrent", "rebinding_reload", "dense-nvfp4_awq", "generate_during_reload", False),
 ]
 # a correct engine with another arithmetic passes every scenario, at TP1 and TP2 -- except batch invariance,
-# which it does not promise (fp32 GEMMs whose blocking depends on the batch; as `-m "not batch_invariance"`)
-CASES += [MutantCase(f"fp32-engine-tp{tp}-{family}-{s.id}", "fp32_engine", family, s.id, False, tp=tp)
+# which it does not promise (fp32 GEMMs whose blocking depends on the batch; as `-m "not batch_invariance"`).
+# Through every dialect at TP1 and in tp_agreement; the other TP2 cases through sglang only: a dialect maps
+# HTTP fields, the same engine answers, so TP2 through each dialect again would re-test the arithmetic only
+CASES += [MutantCase(f"fp32-engine-tp{tp}-{family}-{s.id}", "fp32_engine", family, s.id, False, tp=tp,
+                     apis=None if tp == 1 or s.needs_tp_baseline else ("sglang",))
           for tp in (1, 2) for family in ("dense-nvfp4_awq", "moe-w4a16_nvfp4") for s in SCENARIOS
           if not (s.needs_tp_baseline and tp == 1) and "batch_invariance" not in s.marks]
 
 
+
+def _through_dialects(case: MutantCase) -> list[tuple[MutantCase, str]]:
+    """The case through every dialect that can run its scenario (the others skip it: see below)."""
+    scenario = SCENARIOS_BY_ID[case.scenario]
+    return [(case, api) for api, cls in DIALECTS.items()
+            if scenario.skip_reason(cls) is None and (case.apis is None or api in case.apis)]
+
+
+DIALECT_CASES = [pair for case in CASES for pair in _through_dialects(case)]
 MAX_LIVE = 3  # servers kept running per worker (cases are ordered and grouped by server)
 
 
@@ -86,9 +108,9 @@ MAX_LIVE = 3  # servers kept running per worker (cases are ordered and grouped b
 def servers():
     catalog = ModelCatalog([], None, [], None)
     live: dict[tuple, ServerProcess] = {}  # insertion order = least recently used first
-    fresh: dict[tuple, list] = {}
+    fresh: dict[tuple, dict[str, list]] = {}
 
-    def get(mutant: str, family: str, tp: int):
+    def get(mutant: str, family: str, tp: int, api: str):
         model = catalog.served(family)
         key = (mutant, family, tp)
         if key in live:
@@ -98,25 +120,32 @@ def servers():
                 live.pop(next(iter(live))).stop()
             live[key] = ServerProcess(TEMPLATE, 240.0, mutant=mutant, model_path=model.a,
                                       tokenizer_path=model.tokenizer, tp=tp)
-            fresh[key] = fresh_outputs(ServerClient(live[key].url))
+            # right after start-up, through every dialect (a later "fresh" would follow some reload)
+            fresh[key] = {name: fresh_outputs(make_dialect(name, live[key].url)) for name in DIALECTS}
+        dialect = make_dialect(api, live[key].url)
+        if dialect.missing(("reload_weights",)):
+            # the harness, not the scenario: an earlier case through another dialect (a caught mutant
+            # stops mid-scenario) may have left weight set b serving; this dialect cannot reload a itself
+            assert make_dialect("sglang", live[key].url).reload_weights(model.a).success
         truths = {s: catalog.truth(model, s) for s in ("a", "b")}
-        return ServerClient(live[key].url), model, truths, fresh[key]
+        return dialect, model, truths, fresh[key][api]
 
     yield get
     for server in live.values():
         server.stop()
 
 
-def _param(case: MutantCase):
+def _param(case: MutantCase, api: str):
     # one xdist group per mutant and model: under `--dist loadgroup` a server starts in one worker only
-    return pytest.param(case, id=case.id, marks=pytest.mark.xdist_group(f"mutant-{case.mutant}-{case.family}"))
+    return pytest.param(case, api, id=f"{case.id}-{api}",
+                        marks=pytest.mark.xdist_group(f"mutant-{case.mutant}-{case.family}"))
 
 
-@pytest.mark.parametrize("case", [_param(c) for c in CASES])
-def test_mutant_server(servers, case: MutantCase, record_property):
-    client, model, truths, fresh = servers(case.mutant, case.family, case.tp)
+@pytest.mark.parametrize("case,api", [_param(c, api) for c, api in DIALECT_CASES])
+def test_mutant_server(servers, case: MutantCase, api: str, record_property):
+    client, model, truths, fresh = servers(case.mutant, case.family, case.tp, api)
     scenario = SCENARIOS_BY_ID[case.scenario]
-    baseline = servers(case.mutant, case.family, 1)[0] if scenario.needs_tp_baseline else None
+    baseline = servers(case.mutant, case.family, 1, api)[0] if scenario.needs_tp_baseline else None
     run = lambda: run_scenario(scenario, client, model, truths, baseline, case.tp, timeout_s=120, fresh=fresh)  # noqa: E731
     if case.caught:
         with pytest.raises(AssertionError, match=case.match):
@@ -124,6 +153,33 @@ def test_mutant_server(servers, case: MutantCase, record_property):
     else:
         result = run()
         record_property("bound_ratio", round(result.worst_ratio, 4))
+
+
+SKIPPED = [(s.id, api) for s in SCENARIOS for api, cls in DIALECTS.items() if s.skip_reason(cls)]
+
+
+def test_every_mutant_is_caught_through_a_dialect_that_can_reach_it():
+    """The dialect matrix loses no mutant and narrows none silently: every broken server is caught through
+    some dialect; a case leaves out a dialect only where it says why (``apis``, known names); only the
+    OpenAI API (no weight or memory endpoints) skips scenarios, and only scenarios that need them."""
+    assert {c.mutant for c, _ in DIALECT_CASES if c.caught} == {c.mutant for c in CASES if c.caught}
+    assert all(set(c.apis) <= set(DIALECTS) for c in CASES if c.apis)
+    assert {api for _, api in SKIPPED} == {"openai"}
+    assert all(SCENARIOS_BY_ID[s].needs for s, _ in SKIPPED)
+
+
+@pytest.mark.parametrize("scenario_id,api", SKIPPED, ids=[f"{s}-{a}" for s, a in SKIPPED])
+def test_scenario_skips_with_the_dialects_reason(scenario_id: str, api: str):
+    """A scenario the API cannot run skips, naming the operation and the API's reason, before any request
+    (the dialect points at a port nothing listens on: a request would fail with 'connection failed')."""
+    catalog = ModelCatalog([], None, [], None)
+    model = catalog.served("dense-nvfp4_awq")
+    dialect = make_dialect(api, "http://127.0.0.1:1")
+    with pytest.raises(pytest.skip.Exception) as info:
+        run_scenario(SCENARIOS_BY_ID[scenario_id], dialect, model, {}, timeout_s=5)
+    reason = str(info.value)
+    assert reason.startswith(f"{scenario_id}: skipped: the {api} API cannot reload_weights")
+    assert DIALECTS[api].unsupported["reload_weights"] in reason
 
 
 def test_mutant_script_rejects_unknown_mutant():
@@ -134,11 +190,13 @@ def test_mutant_script_rejects_unknown_mutant():
 
 
 # ----------------------------------------------------------------------------------------- tp_agreement
-class _FakeServer:
-    """A stand-in client returning fixed greedy outputs (TP mutants emulated at the client level)."""
+class _FakeServer(ServerDialect):
+    """A stand-in dialect returning fixed greedy outputs (TP mutants emulated at the client level)."""
 
-    def __init__(self, outputs):
-        self.outputs = outputs
+    name = "fake"
+
+    def __init__(self, outputs, unsupported: dict[str, str]):  # noqa: D107 (no HTTP)
+        self.outputs, self.unsupported = outputs, unsupported
 
     def with_deadline(self, _deadline):
         return self
@@ -146,10 +204,17 @@ class _FakeServer:
     def close(self):
         pass
 
-    def update_weights_from_disk(self, _path, flush_cache=True):
-        return True, "ok"
+    def missing(self, operations):  # per instance: the API the fake stands for
+        return {op: self.unsupported[op] for op in operations if op in self.unsupported}
 
-    def generate(self, prompts, _params, return_logprob=True):
+    def model_path(self):
+        return "fake"
+
+    def reload_weights(self, _path, flush_cache=True):
+        assert "reload_weights" not in self.unsupported, "reloaded through a dialect without a reload endpoint"
+        return ReloadResult(True, "ok")
+
+    def generate(self, prompts, _spec):
         return self.outputs[: len(prompts)]
 
 
@@ -167,13 +232,15 @@ def _golden_outputs(truth, shift: float = 0.0, diverge_at: int | None = None):
     return outs
 
 
+@pytest.mark.parametrize("api", ["sglang", "openai"])  # with a reload endpoint, and without (start-up weights)
 @pytest.mark.parametrize("shift,caught", [(0.0, False), (2.0, True)], ids=["identical", "beyond-bound"])
-def test_tp_agreement_bound(shift, caught):
+def test_tp_agreement_bound(shift, caught, api):
     catalog = ModelCatalog([], None, [], None)
     model = catalog.served("dense-nvfp4_awq")
     truths = {s: catalog.truth(model, s) for s in ("a", "b")}
-    tp1 = _FakeServer(_golden_outputs(truths["a"]))
-    tpn = _FakeServer(_golden_outputs(truths["a"], shift))
+    unsupported = DIALECTS[api].unsupported
+    tp1 = _FakeServer(_golden_outputs(truths["a"]), unsupported)
+    tpn = _FakeServer(_golden_outputs(truths["a"], shift), unsupported)
     run = lambda: run_scenario(SCENARIOS_BY_ID["tp_agreement"], tpn, model, truths, baseline=tp1, tp=2,  # noqa: E731
                                timeout_s=60)
     if caught:

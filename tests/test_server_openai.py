@@ -3,13 +3,12 @@ with logprobs equal the native ``/generate`` answer (same ids, same logprobs, bi
 completions shape vLLM and SGLang use; what the reference cannot do is refused by name."""
 from __future__ import annotations
 
+import openai  # a declared test dependency (pyproject.toml): missing is an error, not a skip
 import pytest
 import requests
 
 from fixtures.make_checkpoints import ensure_checkpoints
 from tests.live_reference_server import live_reference_server
-
-openai = pytest.importorskip("openai")
 
 PROMPTS = ["the city of water", "a new river and the old stone tree"]
 EXTRA = {"return_token_ids": True, "ignore_eos": True}

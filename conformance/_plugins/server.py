@@ -6,21 +6,25 @@
     pytest conformance/test_server_scenarios.py --server-checkpoint /ckpts/llama-nvfp4 --tokenizer /hf/llama
     pytest conformance/test_server_scenarios.py --server-url http://127.0.0.1:30000 \
         --server-model-path fixtures/checkpoints/dense-nvfp4_awq-a
+    pytest conformance/test_server_scenarios.py --server-api vllm --server-cmd "vllm serve {model_path} ..."
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
+import os
+
 import pytest
 
 from ..server.configs import ServerConfig, parse_configs, reference_configs
 from ..server.launcher import REFERENCE_TEMPLATE, ServerProcess, ServerStartError
-from ..server.client import ServerClient
+from ..server.dialects import DIALECTS, ServerDialect, make_dialect
 from ..server.models import DEFAULT_MODELS, ModelCatalog, ModelError, ServedModel, remove_work_dir, work_dir
 from ..server.scenarios import SCENARIOS, Scenario, fresh_outputs, run_scenario
 
 ATTACHED = ServerConfig(1, device="attached", tier="cpu")
+SERVER_API_ENV = "NVFP4_CONFORMANCE_SERVER_API"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -29,6 +33,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help="command template starting the server under test; placeholders {python} {model_path} "
                      "{port} {tp} {dp} {ep} {device} (default: the reference server)")
     g.addoption("--server-url", default=None, help="attach to a running server (127.0.0.1 only) instead")
+    g.addoption("--server-api", default=os.environ.get(SERVER_API_ENV, "sglang"), metavar="|".join(DIALECTS),
+                help=f"the API the scenarios speak (conformance/server/dialects.py; default sglang, or "
+                     f"${SERVER_API_ENV}); scenarios needing an endpoint the API lacks skip with the reason")
     g.addoption("--server-model-path", default=None,
                 help="with --server-url: the fixture checkpoint (<family>-a) it serves (default: from /get_model_info)")
     g.addoption("--server-models", default=",".join(DEFAULT_MODELS),
@@ -51,6 +58,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--server-api") not in DIALECTS:
+        raise pytest.UsageError(f"--server-api {config.getoption('--server-api')!r} (or ${SERVER_API_ENV}): "
+                                f"known APIs: {', '.join(DIALECTS)}")
     config.addinivalue_line("markers", "batch_invariance: needs batch-size invariant logprobs (not every engine promises it)")
     config.addinivalue_line("markers", "server_scenario: starts or attaches to an inference server")
     if getattr(config.option, "dist", None) == "load":
@@ -150,6 +160,7 @@ class ServerPool:
         self.pconfig = config
         self.template = config.getoption("--server-cmd") or REFERENCE_TEMPLATE
         self.url = config.getoption("--server-url")
+        self.api = config.getoption("--server-api")
         self.start_timeout = config.getoption("--server-start-timeout")
         self.timeout = config.getoption("--server-timeout")
         self.catalog = _catalog(config)
@@ -160,7 +171,7 @@ class ServerPool:
     def model(self, name: str) -> ServedModel:
         try:
             if name == "attached":  # a fixture checkpoint <family>-a, as the running server reports it
-                path = Path(ServerClient(self.url).model_info()["model_path"])
+                path = Path(make_dialect(self.api, self.url).model_path())
                 if not path.name.endswith("-a"):
                     pytest.fail(f"the attached server serves {path}, not a fixture checkpoint <family>-a: pass "
                                 f"--server-checkpoint {path} (and --tokenizer) instead", pytrace=False)
@@ -170,10 +181,10 @@ class ServerPool:
         except ModelError as exc:
             pytest.fail(str(exc), pytrace=False)
 
-    def client(self, cfg: ServerConfig, model: ServedModel) -> ServerClient:
+    def client(self, cfg: ServerConfig, model: ServedModel) -> ServerDialect:
         key = (cfg.id, model.name)
         if cfg is ATTACHED:
-            client = ServerClient(self.url)
+            client = make_dialect(self.api, self.url)
             if key not in self._fresh:
                 self._fresh[key] = fresh_outputs(client)
             return client
@@ -184,17 +195,20 @@ class ServerPool:
             try:
                 server = ServerProcess(self.template, self.start_timeout, model_path=model.a,
                                        tokenizer_path=model.tokenizer, tp=cfg.tp, dp=cfg.dp, ep=cfg.ep,
-                                       device=cfg.device)
+                                       device=cfg.device, api=self.api)
             except ServerStartError as exc:
                 self._failed[key] = str(exc)
                 raise
             self._servers[key] = server
-            client = ServerClient(server.url)
+            client = make_dialect(self.api, server.url)
             self._fresh[key] = fresh_outputs(client)
             return client
-        return ServerClient(server.url)
+        return make_dialect(self.api, server.url)
 
     def run(self, case: ServerCase, record_property=None) -> None:
+        reason = case.scenario.skip_reason(DIALECTS[self.api])
+        if reason:  # before starting a server for it
+            pytest.skip(reason)
         model = self.model(case.model)
         try:
             truths = {s: self.catalog.truth(model, s) for s in ("a", "b")}
@@ -205,6 +219,7 @@ class ServerPool:
         fresh = self._fresh.get((case.config.id, model.name))
         result = run_scenario(case.scenario, client, model, truths, baseline, case.config.tp, self.timeout, fresh)
         if record_property is not None:
+            record_property("server_api", self.api)
             record_property("golden_tokens_compared", result.compared)
             record_property("bound_ratio", round(result.worst_ratio, 4))
 

@@ -63,6 +63,13 @@ class ServerDialect(abc.ABC):
     #: operation -> why this API cannot do it (operations: reload_weights, release_memory, resume_memory,
     #: flush_cache); scenarios needing one of them skip with the reason
     unsupported: ClassVar[dict[str, str]] = {}
+    #: environment variables a server launched for this API needs (set unless the environment has them)
+    launch_env: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def missing(cls, operations: Sequence[str]) -> dict[str, str]:
+        """Those of ``operations`` this API lacks, each with the reason."""
+        return {op: cls.unsupported[op] for op in operations if op in cls.unsupported}
 
     def __init__(self, base_url: str, deadline: Deadline | None = None, max_request_s: float = 60.0):
         if urlparse(base_url).hostname not in LOCAL_HOSTS:
@@ -124,6 +131,8 @@ class ServerDialect(abc.ABC):
             return self._http.request(method, self.base_url + path, timeout=self._timeout(), **kwargs)
         except requests.Timeout as exc:
             raise AssertionError(f"{method} {path} timed out (request lost or server hung)") from exc
+        except requests.ConnectionError as exc:
+            raise AssertionError(f"{method} {path}: connection failed (server gone?): {exc}") from exc
 
     def _json(self, r: requests.Response, what: str) -> object:
         try:
@@ -226,7 +235,9 @@ class OpenAIDialect(ServerDialect):
         if lps is None or len(lps) != len(ids):
             raise AssertionError(f"/v1/completions: {0 if lps is None else len(lps)} token_logprobs for "
                                  f"{len(ids)} token_ids")
-        return Generation(choice["text"], tuple(ids), tuple(float(x) for x in lps), choice.get("finish_reason"))
+        prompt_ids = choice.get("prompt_token_ids")  # return_token_ids: the prompt as the server tokenized it
+        return Generation(choice["text"], tuple(ids), tuple(float(x) for x in lps), choice.get("finish_reason"),
+                          len(prompt_ids) if isinstance(prompt_ids, list) else None)
 
 
 class VLLMDialect(OpenAIDialect):
@@ -242,6 +253,8 @@ class VLLMDialect(OpenAIDialect):
     name = "vllm"
     health_path = "/health"
     unsupported = {}
+    launch_env = {"VLLM_SERVER_DEV_MODE": "1"}  # vLLM serves its weight and memory endpoints only in dev mode
+    DEV_PATHS = ("/collective_rpc", "/sleep", "/wake_up", "/is_sleeping", "/pause", "/resume", "/reset_prefix_cache")
     WAKE_TAGS = {"weights": "weights", "kv_cache": "kv_cache"}  # cuda_graph: vLLM keeps or restores graphs itself
     RETRY_S = 0.05
 
@@ -258,6 +271,9 @@ class VLLMDialect(OpenAIDialect):
             time.sleep(self.RETRY_S)  # refused by our own reload's pause: retry, bounded by the deadline
             done = self._reloads_done
             r = super()._call(method, path, **kwargs)
+        if r.status_code == 404 and path in self.DEV_PATHS:
+            raise AssertionError(f"{method} {path} answered 404: vLLM serves it only with VLLM_SERVER_DEV_MODE=1 "
+                                 f"(and /sleep, /wake_up only with --enable-sleep-mode)")
         return r
 
     def _completion_body(self, prompts: Sequence[str], spec: SamplingSpec) -> dict:

@@ -4,7 +4,10 @@ Template placeholders: ``{python}`` (this interpreter), ``{model_path}``, ``{tok
 tokenizer.json the prompts are encoded with), ``{port}``, ``{tp}``, ``{dp}``, ``{ep}``, ``{device}``. The
 server runs in its own process group (it may spawn ranks); ``stop`` sends SIGTERM to the group, waits, then
 SIGKILL. Its output goes to a log file, quoted when start-up fails: a server process that exits during
-start-up is reported at once (polled every 0.2 s), not after the start timeout.
+start-up is reported at once (polled every 0.2 s), not after the start timeout. ``api`` names the dialect
+(conformance/server/dialects.py) whose health endpoint is polled and whose ``launch_env`` is set (vLLM's
+dev-mode endpoints: ``VLLM_SERVER_DEV_MODE=1``; the reference server serves every dialect's endpoints
+unconditionally).
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .client import ServerClient
+from .dialects import DIALECTS, make_dialect
 
 REFERENCE_TEMPLATE = ("{python} -m reference_impl.server --model-path {model_path} --tokenizer-path {tokenizer_path} "
                       "--port {port} --tp {tp} --dp {dp} --ep {ep} --device {device}")
@@ -38,8 +41,12 @@ class ServerStartError(RuntimeError):
 
 
 class ServerProcess:
-    def __init__(self, template: str, start_timeout_s: float = 180.0, env: dict[str, str] | None = None, **values):
+    def __init__(self, template: str, start_timeout_s: float = 180.0, env: dict[str, str] | None = None,
+                 api: str = "sglang", **values):
         """``env``: extra environment variables; a ``PYTHONPATH`` given there goes first on the path."""
+        if api not in DIALECTS:
+            raise ValueError(f"unknown server API {api!r}; known: {sorted(DIALECTS)}")
+        self.api = api
         self.port = free_port()
         fields = {"python": shlex.quote(sys.executable), "port": self.port, **values}
         try:
@@ -50,7 +57,7 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="nvfp4-server-", suffix=".log", delete=False)
         extra = dict(env or {})
-        env = dict(os.environ)
+        env = {**DIALECTS[api].launch_env, **os.environ}  # the user's environment wins
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [extra.pop("PYTHONPATH", None), str(REPO_ROOT),
                                                           env.get("PYTHONPATH")]))
         env.update(extra)
@@ -61,7 +68,7 @@ class ServerProcess:
         self._wait_healthy(start_timeout_s)
 
     def _wait_healthy(self, timeout_s: float) -> None:
-        client = ServerClient(self.url)
+        client = make_dialect(self.api, self.url)
         end = time.monotonic() + timeout_s
         try:
             while time.monotonic() < end:

@@ -1,7 +1,10 @@
 """The server scenarios, as data: each is a named function of a :class:`ScenarioContext` that raises
 AssertionError (naming the scenario, the prompt and the token) when the server misbehaves.
 
-Every scenario starts from weight set ``a`` (it reloads it first) and leaves ``a`` serving. Two kinds of
+Every scenario starts from weight set ``a`` (it reloads it first; through an API without a reload endpoint
+it checks that the start-up weights still serve) and leaves ``a`` serving. Scenarios talk to the server
+only through a :class:`~.dialects.ServerDialect` (``--server-api``); one that needs an operation the API
+lacks (``Scenario.needs``) is skipped with the API's reason before it sends anything. Two kinds of
 check: *self-consistency* (a reload of the same weights, a repeated request, TPn vs TP1 of the same engine:
 identical or within the engine's own tolerance) and *truth*: every greedy generation is compared with the
 reference model's golden outputs of the weight set that should be serving (conformance/server/golden.py),
@@ -18,19 +21,26 @@ from typing import Callable
 import pytest
 
 from .bounds import RELOAD_LOGPROB_TOL, tp_logprob_bound
-from .client import Deadline, Generation, ServerClient
+from .client import Deadline, Generation
 from .derive import verify_corrupt
+from .dialects import ServerDialect, SamplingSpec
 from .golden import GREEDY, PROMPTS, GoldenResult, GoldenTruth, compare_with_golden
 from .models import ServedModel
 
 
+GREEDY_SPEC = SamplingSpec(GREEDY["max_new_tokens"], GREEDY["temperature"], ignore_eos=GREEDY["ignore_eos"])
+SEEDED_SPEC = SamplingSpec(8, temperature=0.8, top_p=0.95, seed=1234)
+RELOAD = ("reload_weights",)
+RELEASE_RESUME = ("reload_weights", "release_memory", "resume_memory")
+
+
 @dataclass
 class ScenarioContext:
-    client: ServerClient
+    client: ServerDialect
     model: ServedModel
     deadline: Deadline
     truths: dict[str, GoldenTruth]  # golden outputs of weight sets "a" and "b"
-    baseline: ServerClient | None = None  # a TP1 server of the same engine (tp_agreement only)
+    baseline: ServerDialect | None = None  # a TP1 server of the same engine (tp_agreement only)
     tp: int = 1
     fresh: list[Generation] | None = None  # greedy outputs right after start-up, before any reload
     name: str = "scenario"
@@ -38,9 +48,13 @@ class ScenarioContext:
 
 
 # ----------------------------------------------------------------------------------------- helpers
-def _reload(ctx: ScenarioContext, path: str, flush_cache: bool = True) -> None:
-    ok, message = ctx.client.update_weights_from_disk(path, flush_cache=flush_cache)
-    assert ok, f"update_weights_from_disk({path!r}) failed: {message}"
+def _reload(ctx: ScenarioContext, path: str, flush_cache: bool = True, client: ServerDialect | None = None) -> None:
+    result = (client or ctx.client).reload_weights(path, flush_cache=flush_cache)
+    assert result.success, f"reload_weights({path!r}) failed: {result.message}"
+
+
+def _can_reload(client: ServerDialect) -> bool:
+    return not client.missing(RELOAD)
 
 
 def check_golden(ctx: ScenarioContext, outputs: list[Generation], weight_set: str, what: str, tp: int | None = None) -> None:
@@ -53,23 +67,28 @@ def _start(ctx: ScenarioContext) -> list[Generation]:
     """Serve weight set ``a`` (reloading it) and return the greedy baseline for PROMPTS. Reloading the
     checkpoint the server started with must reproduce the fresh start-up outputs (token ids identical,
     logprobs within the reload tolerance): a reload path that drops or mangles a tensor shows here. Both
-    must be the reference's golden outputs of ``a``."""
-    _reload(ctx, ctx.model.a)
+    must be the reference's golden outputs of ``a``. Through an API without a reload endpoint the server
+    must still serve its start-up weights: the outputs are compared with the fresh ones the same way."""
+    if _can_reload(ctx.client):
+        _reload(ctx, ctx.model.a)
+        how = "reloaded"
+    else:
+        how = f"start-up weights (the {ctx.client.name} API cannot reload: not reloaded)"
     out = _greedy(ctx.client)
     if ctx.fresh is not None:
-        _assert_same(ctx.fresh, out, f"{ctx.name}: reloaded {ctx.model.name} a vs the fresh start-up", RELOAD_LOGPROB_TOL)
+        _assert_same(ctx.fresh, out, f"{ctx.name}: {how} {ctx.model.name} a vs the fresh start-up", RELOAD_LOGPROB_TOL)
         check_golden(ctx, ctx.fresh, "a", f"{ctx.name}: the fresh start-up")
-    check_golden(ctx, out, "a", f"{ctx.name}: after reloading a")
+    check_golden(ctx, out, "a", f"{ctx.name}: after reloading a" if how == "reloaded" else f"{ctx.name}: {how}")
     return out
 
 
-def fresh_outputs(client: ServerClient) -> list[Generation]:
+def fresh_outputs(client: ServerDialect) -> list[Generation]:
     """Greedy outputs of a server that has just started (weights loaded by start-up, not by a reload)."""
     return _greedy(client)
 
 
-def _greedy(client: ServerClient, prompts=PROMPTS) -> list[Generation]:
-    return client.generate(list(prompts), GREEDY, return_logprob=True)
+def _greedy(client: ServerDialect, prompts=PROMPTS) -> list[Generation]:
+    return client.generate(list(prompts), GREEDY_SPEC)
 
 
 def _assert_same(before: list[Generation], after: list[Generation], what: str, logprob_tol: float | None) -> None:
@@ -95,10 +114,10 @@ def reload_same_checkpoint(ctx: ScenarioContext) -> None:
     without flush_cache), resume kv_cache and cuda_graph; outputs identical, logprobs within 1e-4."""
     before = _start(ctx)
     for flush in (True, False):
-        ctx.client.release_memory_occupation()
-        ctx.client.resume_memory_occupation(["weights"])
+        ctx.client.release_memory()
+        ctx.client.resume_memory(["weights"])
         _reload(ctx, ctx.model.a, flush_cache=flush)
-        ctx.client.resume_memory_occupation(["kv_cache", "cuda_graph"])
+        ctx.client.resume_memory(["kv_cache", "cuda_graph"])
         after = _greedy(ctx.client)
         _assert_same(before, after, f"reload_same_checkpoint (flush_cache={flush})", RELOAD_LOGPROB_TOL)
         check_golden(ctx, after, "a", f"reload_same_checkpoint (flush_cache={flush})")
@@ -122,9 +141,9 @@ def reload_different_weights(ctx: ScenarioContext) -> None:
 
 def _failed_reload(ctx: ScenarioContext, path: str, what: str) -> None:
     before = _start(ctx)
-    ok, message = ctx.client.update_weights_from_disk(path)
-    assert not ok, f"{what}: update_weights_from_disk({path!r}) reported success"
-    assert message.strip(), f"{what}: a failed reload must say why (empty message)"
+    result = ctx.client.reload_weights(path)
+    assert not result.success, f"{what}: reload_weights({path!r}) reported success"
+    assert result.message.strip(), f"{what}: a failed reload must say why (empty message)"
     after = _greedy(ctx.client)
     _assert_same(before, after, f"{what} (old weights must keep serving)", None)
     check_golden(ctx, after, "a", f"{what} (old weights must keep serving)")
@@ -160,16 +179,16 @@ def generate_during_reload(ctx: ScenarioContext) -> None:
 
     def one(item):
         i, prompt = item
-        return i, ctx.client.generate([prompt], GREEDY)[0]
+        return i, ctx.client.generate([prompt], GREEDY_SPEC)[0]
 
     with ThreadPoolExecutor(max_workers=8) as pool:
         early = [pool.submit(one, it) for it in singles]
         time.sleep(0.02)
-        reload = pool.submit(ctx.client.update_weights_from_disk, ctx.model.b)
+        reload = pool.submit(ctx.client.reload_weights, ctx.model.b)
         time.sleep(0.05)
         during = [pool.submit(one, it) for it in singles]
-        ok, message = reload.result(timeout=ctx.deadline.remaining())
-        assert ok, f"generate_during_reload: the reload failed: {message}"
+        result = reload.result(timeout=ctx.deadline.remaining())
+        assert result.success, f"generate_during_reload: the reload failed: {result.message}"
         late = [pool.submit(one, it) for it in singles[: len(PROMPTS)]]
         results = []
         for wave, futures in (("before", early), ("during", during), ("after", late)):
@@ -178,7 +197,7 @@ def generate_during_reload(ctx: ScenarioContext) -> None:
                 results.append((wave, n, i, g))
     for wave, n, i, g in results:
         tag = f"generate_during_reload: request {n} sent {wave} the reload (prompt {PROMPTS[i]!r})"
-        assert len(g.ids) == GREEDY["max_new_tokens"], (
+        assert len(g.ids) == GREEDY_SPEC.max_new_tokens, (
             f"{tag} was lost or cut short: {len(g.ids)} tokens, finish_reason {g.finish_reason}")
         candidates = ([("old", "a")] if wave != "after" else []) + [("new", "b")]
         failures, match = [], None
@@ -212,9 +231,8 @@ def repeated_requests_deterministic(ctx: ScenarioContext) -> None:
     first = _start(ctx)
     for k in range(3):
         _assert_same(first, _greedy(ctx.client), f"repeated_requests_deterministic (repeat {k + 1})", None)
-    seeded = {"max_new_tokens": 8, "temperature": 0.8, "top_p": 0.95, "ignore_eos": True, "sampling_seed": 1234}
-    s1 = ctx.client.generate(list(PROMPTS), seeded)
-    s2 = ctx.client.generate(list(PROMPTS), seeded)
+    s1 = ctx.client.generate(list(PROMPTS), SEEDED_SPEC)
+    s2 = ctx.client.generate(list(PROMPTS), SEEDED_SPEC)
     for prompt, a, b in zip(PROMPTS, s1, s2):
         assert a.ids == b.ids, f"repeated_requests_deterministic: seeded sampling of {prompt!r}: {list(a.ids)} != {list(b.ids)}"
 
@@ -223,10 +241,10 @@ def batch_size_invariance(ctx: ScenarioContext) -> None:
     """A prompt's tokens and logprobs do not depend on what it is batched with: alone, in one batched
     request, and among concurrent requests. Not every engine promises this (marker batch_invariance)."""
     batched = _start(ctx)
-    alone = [ctx.client.generate([p], GREEDY)[0] for p in PROMPTS]
+    alone = [ctx.client.generate([p], GREEDY_SPEC)[0] for p in PROMPTS]
     _assert_same(alone, batched, "batch_size_invariance (alone vs one batched request)", None)
     with ThreadPoolExecutor(max_workers=8) as pool:
-        futures = [pool.submit(ctx.client.generate, [p], GREEDY) for p in PROMPTS * 2]
+        futures = [pool.submit(ctx.client.generate, [p], GREEDY_SPEC) for p in PROMPTS * 2]
         concurrent = [f.result(timeout=ctx.deadline.remaining())[0] for f in futures]
     _assert_same(alone, concurrent[: len(PROMPTS)], "batch_size_invariance (alone vs concurrent)", None)
     _assert_same(alone, concurrent[len(PROMPTS):], "batch_size_invariance (alone vs concurrent, 2nd copy)", None)
@@ -234,11 +252,12 @@ def batch_size_invariance(ctx: ScenarioContext) -> None:
 
 def tp_agreement(ctx: ScenarioContext) -> None:
     """TPn agrees with TP1 of the same engine within the derived bound (see bounds.tp_logprob_bound),
-    at every position up to and including the first greedy divergence."""
+    at every position up to and including the first greedy divergence. Both serve ``a`` (reloaded, or
+    through an API without a reload endpoint from start-up; both must be its golden outputs either way)."""
     assert ctx.baseline is not None, "tp_agreement needs a TP1 baseline server"
-    _reload(ctx, ctx.model.a)
-    ok, message = ctx.baseline.update_weights_from_disk(ctx.model.a)
-    assert ok, f"tp_agreement: baseline reload failed: {message}"
+    if _can_reload(ctx.client):
+        _reload(ctx, ctx.model.a)
+        _reload(ctx, ctx.model.a, client=ctx.baseline)
     mine, base = _greedy(ctx.client), _greedy(ctx.baseline)
     check_golden(ctx, mine, "a", f"tp_agreement: TP{ctx.tp}")
     check_golden(ctx, base, "a", "tp_agreement: the TP1 baseline", tp=1)
@@ -277,14 +296,26 @@ class Scenario:
     timeout_s: float = 120.0
     marks: tuple[str, ...] = ()
     needs_tp_baseline: bool = False
+    needs: tuple[str, ...] = ()  # dialect operations (ServerDialect.unsupported keys) it cannot run without
+
+    def skip_reason(self, dialect: ServerDialect | type[ServerDialect]) -> str | None:
+        """Why this scenario cannot run through ``dialect`` (None: it can)."""
+        missing = dialect.missing(self.needs)
+        if not missing:
+            return None
+        by_reason: dict[str, list[str]] = {}
+        for op, why in missing.items():
+            by_reason.setdefault(why, []).append(op)
+        return f"{self.id}: skipped: the {dialect.name} API cannot " + "; ".join(
+            f"{', '.join(ops)} ({why})" for why, ops in by_reason.items())
 
 
 SCENARIOS = (
-    Scenario("reload_same_checkpoint", reload_same_checkpoint),
-    Scenario("reload_different_weights", reload_different_weights),
-    Scenario("failed_reload_missing_path", failed_reload_missing_path),
-    Scenario("failed_reload_corrupt_checkpoint", failed_reload_corrupt_checkpoint),
-    Scenario("generate_during_reload", generate_during_reload),
+    Scenario("reload_same_checkpoint", reload_same_checkpoint, needs=RELEASE_RESUME),
+    Scenario("reload_different_weights", reload_different_weights, needs=RELOAD),
+    Scenario("failed_reload_missing_path", failed_reload_missing_path, needs=RELOAD),
+    Scenario("failed_reload_corrupt_checkpoint", failed_reload_corrupt_checkpoint, needs=RELOAD),
+    Scenario("generate_during_reload", generate_during_reload, needs=RELOAD),
     Scenario("repeated_requests_deterministic", repeated_requests_deterministic),
     Scenario("batch_size_invariance", batch_size_invariance, marks=("batch_invariance",)),
     Scenario("tp_agreement", tp_agreement, needs_tp_baseline=True),
@@ -292,11 +323,15 @@ SCENARIOS = (
 SCENARIOS_BY_ID = {s.id: s for s in SCENARIOS}
 
 
-def run_scenario(scenario: Scenario, client: ServerClient, model: ServedModel, truths: dict[str, GoldenTruth],
-                 baseline: ServerClient | None = None, tp: int = 1, timeout_s: float | None = None,
+def run_scenario(scenario: Scenario, client: ServerDialect, model: ServedModel, truths: dict[str, GoldenTruth],
+                 baseline: ServerDialect | None = None, tp: int = 1, timeout_s: float | None = None,
                  fresh: list[Generation] | None = None) -> GoldenResult:
-    """Run one scenario; returns what its golden comparisons covered. A scenario that could compare no
-    token with the golden outputs (every prompt stopped by a routing near-tie) is skipped, with the reason."""
+    """Run one scenario; returns what its golden comparisons covered. A scenario needing an operation the
+    dialect lacks is skipped with the dialect's reason before any request; one that could compare no token
+    with the golden outputs (every prompt stopped by a routing near-tie) is skipped, with the reason."""
+    reason = scenario.skip_reason(client)
+    if reason:
+        pytest.skip(reason)
     deadline = Deadline(timeout_s or scenario.timeout_s, f"scenario {scenario.id}")
     ctx = ScenarioContext(client.with_deadline(deadline), model, deadline, truths,
                           baseline.with_deadline(deadline) if baseline else None, tp, fresh, scenario.id)
