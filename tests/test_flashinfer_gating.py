@@ -26,6 +26,7 @@ from conformance.backends.flashinfer_platform import (
     EmulatedFlashInfer,
     InstalledFlashInfer,
     cudnn_skip_reason,
+    cute_dsl_tactics_problem,
 )
 from conformance.tiers import Gpu
 from conformance.checks_dense import failing_checks
@@ -144,6 +145,34 @@ def test_blackwell_tiled_declines_n_not_multiple_of_64():
         "blackwell-tiled requires N % 64 == 0 (FlashInfer 0.7.4); case has N=200, K=80"
     )
     assert FlashInferBackend("blackwell-native", flashinfer, platform=FakeMachine(B200)).skip_reason(info) is None
+
+
+def test_cute_dsl_shape_gate_asks_flashinfers_kernel_for_every_tactic():
+    """cute-dsl on SM100: a shape skips only when FlashInfer's own ``can_implement`` rejects every tactic
+    (here a stand-in kernel that needs K % 64 == 0); the arguments are the ones FlashInfer's chooser passes."""
+    seen = []
+
+    def can_implement(*, mnkl, mma_tiler, **kw):
+        seen.append((mnkl, mma_tiler, kw["use_2cta_instrs"], kw["c_major"]))
+        return mnkl[2] % 64 == 0 and mma_tiler[0] == 256
+
+    cutlass = type("cutlass", (), {"Float4E2M1FN": "fp4", "BFloat16": "bf16"})
+    tactics = (((128, 64, 128), (1, 1), None), ((256, 64, 128), (2, 1), None))
+    assert cute_dsl_tactics_problem(can_implement, tactics, cutlass, 7, 96, 128) is None
+    assert seen[-1] == ((96, 7, 128, 1), (256, 64, 128), True, "m")  # (N, M, K): the kernel's M is the output
+    reason = cute_dsl_tactics_problem(can_implement, tactics, cutlass, 7, 96, 80)
+    assert reason == ("flashinfer mm_bf16_fp4 backend 'cute-dsl' has no kernel tactic for M=7, N=96, K=80 "
+                      "(Sm100DenseGemmBf16Fp4Kernel.can_implement is False for all 2 tactics)")
+
+    class NoKernelForOddK(FakeMachine):
+        def cute_dsl_gemm_shape_problem(self, m, n, k, capability):
+            return None if k % 64 == 0 else f"no tactic for K={k}"
+
+    info = CaseInfo("dense", torch.device("cuda"), {"m": 7, "n": 96, "k": 80})
+    assert FlashInferBackend("cute-dsl", flashinfer, platform=NoKernelForOddK(B200)).skip_reason(info) == "no tactic for K=80"
+    assert FlashInferBackend("cudnn", flashinfer, platform=NoKernelForOddK(B200)).skip_reason(info) is None
+    # Without the CUTLASS DSL (this machine) or off SM100 the installed platform cannot tell: no skip from it.
+    assert InstalledFlashInfer().cute_dsl_gemm_shape_problem(7, 96, 80, (9, 0)) is None
 
 
 def test_emulated_platform_answers_sm100_and_runs_the_same_gates():

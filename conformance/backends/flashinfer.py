@@ -157,6 +157,8 @@ class FlashInferBackend(Backend):
             capability_skip_reason(self.module.mm_bf16_fp4, self.gemm_backend, gpu.capability, gpu.name)
             or precondition_skip_reason(self.gemm_backend, self.platform)
             or shape_skip_reason(self.gemm_backend, case.shape["n"], case.shape["k"])
+            or (self.platform.cute_dsl_gemm_shape_problem(case.shape["m"], case.shape["n"], case.shape["k"],
+                                                          gpu.capability) if self.gemm_backend == "cute-dsl" else None)
         )
 
     def prepare_dense(self, layer: DenseLayer, device: torch.device) -> PreparedDense:

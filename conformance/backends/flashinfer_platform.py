@@ -85,6 +85,12 @@ class FlashInferPlatform(abc.ABC):
     def cute_dsl_problem(self, capability: tuple[int, int] | None) -> str | None:
         """Why the CuTe DSL cannot run here (``capability``: also check its arch support, MoE kernels)."""
 
+    def cute_dsl_gemm_shape_problem(self, m: int, n: int, k: int, capability: tuple[int, int]) -> str | None:
+        """Why the ``cute-dsl`` dense GEMM has no kernel for ``M x N x K`` here (``None``: it has one, or the
+        platform cannot tell). Only the installed FlashInfer can answer: it asks its own kernel's
+        ``can_implement`` for every tactic, as its tactic chooser does."""
+        return None
+
     @abc.abstractmethod
     def moe_wrapper(self) -> tuple[type, Any]:
         """``(CuteDslMoEWrapper, ActivationType)``; import errors propagate."""
@@ -139,6 +145,21 @@ class InstalledFlashInfer(FlashInferPlatform):
                     f"(is_cute_dsl_arch_supported(..., native_only=True) is False)")
         return None
 
+    def cute_dsl_gemm_shape_problem(self, m: int, n: int, k: int, capability: tuple[int, int]) -> str | None:
+        # FlashInfer 0.7.4 (gemm_bf16_fp4_cute_dsl.py) picks among _SM100_BF16_FP4_TACTICS those whose
+        # Sm100DenseGemmBf16Fp4Kernel.can_implement(mnkl=(n, m, k, 1), ...) holds (the kernel's M mode carries
+        # the output channels); its own tests use only N, K multiples of 64, so odd shapes must be asked.
+        if capability not in ((10, 0), (10, 3), (10, 7)):
+            return None  # other architectures run another kernel family, which states no such check
+        try:
+            import cutlass
+            from flashinfer.gemm import gemm_bf16_fp4_cute_dsl as chooser
+            from flashinfer.gemm.kernels.cute_dsl.dense_gemm_bf16_fp4_sm100 import Sm100DenseGemmBf16Fp4Kernel
+            tactics = chooser._SM100_BF16_FP4_TACTICS
+        except Exception:  # noqa: BLE001 - without these the availability gate (cute_dsl_problem) decides
+            return None
+        return cute_dsl_tactics_problem(Sm100DenseGemmBf16Fp4Kernel.can_implement, tactics, cutlass, m, n, k)
+
     def moe_wrapper(self) -> tuple[type, Any]:
         from flashinfer.fused_moe.cute_dsl.fused_moe import CuteDslMoEWrapper
         from flashinfer.tllm_enums import ActivationType
@@ -192,6 +213,19 @@ class EmulatedFlashInfer(FlashInferPlatform):
         from reference_impl.flashinfer_emulator import flashinfer_module_tree
 
         return flashinfer_module_tree()
+
+
+def cute_dsl_tactics_problem(can_implement: Any, tactics: Any, cutlass: Any, m: int, n: int, k: int) -> str | None:
+    """``None`` when some ``(mma_tiler, cluster_shape, ...)`` tactic passes FlashInfer's ``can_implement``
+    for ``M x N x K``, else the skip reason."""
+    for tactic in tactics:
+        mma_tiler, cluster_shape = tactic[0], tactic[1]
+        if can_implement(mnkl=(n, m, k, 1), a_dtype=cutlass.Float4E2M1FN, b_dtype=cutlass.BFloat16,
+                         c_dtype=cutlass.BFloat16, a_major="k", b_major="k", c_major="m", mma_tiler=mma_tiler,
+                         cluster_shape_mn=cluster_shape, use_2cta_instrs=mma_tiler[0] == 256):
+            return None
+    return (f"flashinfer mm_bf16_fp4 backend 'cute-dsl' has no kernel tactic for M={m}, N={n}, K={k} "
+            f"(Sm100DenseGemmBf16Fp4Kernel.can_implement is False for all {len(tuple(tactics))} tactics)")
 
 
 def current_platform() -> FlashInferPlatform:
