@@ -9,7 +9,9 @@ A checkpoint directory holds ``config.json`` (the Hugging Face model config, opt
 * ``<prefix>.weight_scale_2``  fp32 scalar (decode scale: ``w = e2m1 * e4m3 * weight_scale_2``)
 * ``<prefix>.input_scale``     fp32 scalar (W4A4 activation scale; required for NVFP4/NVFP4_AWQ, optional
   for W4A16_NVFP4, never used by W4A16 math)
-* ``<prefix>.pre_quant_scale`` ``[K]`` (NVFP4_AWQ only)
+* ``<prefix>.pre_quant_scale`` ``[K]`` (NVFP4_AWQ only, optional: ModelOpt folds it into the preceding
+  RMSNorm weight or linear where it can -- q/k/v, gate/up, down -- and keeps it only where it cannot, e.g.
+  ``o_proj`` under grouped-query attention; an absent scale is the identity, as engines initialise it)
 
 Excluded modules (``exclude_modules`` / ``ignore``, with ``*`` wildcards) keep a plain float ``.weight``.
 Every malformed input raises :class:`CheckpointError` naming the file or the tensor.
@@ -41,6 +43,7 @@ class QuantConfig:
     quant_algo: str
     group_size: int = GROUP_SIZE
     exclude_modules: tuple[str, ...] = ()
+    kv_cache_quant_algo: str | None = None  # ModelOpt's KV-cache quantization (e.g. "FP8"); None: BF16 KV cache
 
     @property
     def is_awq(self) -> bool:
@@ -76,7 +79,7 @@ class QuantConfig:
         }
 
 
-def _validated_quant_config(algo, group_size, exclude, source: str) -> QuantConfig:
+def _validated_quant_config(algo, group_size, exclude, source: str, kv_cache_algo=None) -> QuantConfig:
     if algo not in QUANT_ALGOS:
         raise CheckpointError(f"{source}: quant_algo {algo!r} is not one of {', '.join(QUANT_ALGOS)}")
     if group_size is None:
@@ -85,7 +88,9 @@ def _validated_quant_config(algo, group_size, exclude, source: str) -> QuantConf
         raise CheckpointError(f"{source}: group_size {group_size!r} is not {GROUP_SIZE} (NVFP4 blocks are 16 wide)")
     if not isinstance(exclude, list) or not all(isinstance(e, str) for e in exclude):
         raise CheckpointError(f"{source}: exclude_modules/ignore must be a list of strings, got {exclude!r}")
-    return QuantConfig(algo, group_size, tuple(exclude))
+    if kv_cache_algo is not None and not isinstance(kv_cache_algo, str):
+        raise CheckpointError(f"{source}: kv_cache_quant_algo must be a string or null, got {kv_cache_algo!r}")
+    return QuantConfig(algo, group_size, tuple(exclude), kv_cache_algo)
 
 
 def _read_json(path: Path) -> dict:
@@ -113,7 +118,8 @@ def read_configs(path: str | os.PathLike) -> tuple[dict, QuantConfig]:
         q = _read_json(nested).get("quantization")
         if not isinstance(q, dict) or "quant_algo" not in q:
             raise CheckpointError(f"{nested}: missing 'quantization.quant_algo'")
-        quant = _validated_quant_config(q["quant_algo"], q.get("group_size"), q.get("exclude_modules", []), str(nested))
+        quant = _validated_quant_config(q["quant_algo"], q.get("group_size"), q.get("exclude_modules", []), str(nested),
+                                        q.get("kv_cache_quant_algo"))
     else:
         q = hf_config.get("quantization_config")
         if not isinstance(q, dict) or "quant_algo" not in q:
@@ -121,7 +127,9 @@ def read_configs(path: str | os.PathLike) -> tuple[dict, QuantConfig]:
         if q.get("quant_method", "modelopt") != "modelopt":
             raise CheckpointError(f"{root / CONFIG}: quant_method {q.get('quant_method')!r} is not 'modelopt'")
         exclude = q.get("ignore", q.get("exclude_modules", []))
-        quant = _validated_quant_config(q["quant_algo"], q.get("group_size"), exclude, str(root / CONFIG))
+        # ModelOpt's flat form names KV-cache quantization ``kv_cache_scheme`` (compressed-tensors style)
+        kv = q.get("kv_cache_quant_algo") or ("FP8" if q.get("kv_cache_scheme") else None)
+        quant = _validated_quant_config(q["quant_algo"], q.get("group_size"), exclude, str(root / CONFIG), kv)
     return hf_config, quant
 
 
@@ -173,8 +181,8 @@ def linear_specs(prefix: str, out_features: int, in_features: int, quant: QuantC
         TensorSpec(f"{prefix}.weight_scale_2", torch.float32, ()),
         TensorSpec(f"{prefix}.input_scale", torch.float32, (), required=quant.requires_input_scale),
     ]
-    if quant.is_awq and awq_applies:
-        specs.append(TensorSpec(f"{prefix}.pre_quant_scale", float_dtype, (in_features,)))
+    if quant.is_awq and awq_applies:  # optional: ModelOpt folds it into the preceding norm or linear where it can
+        specs.append(TensorSpec(f"{prefix}.pre_quant_scale", float_dtype, (in_features,), required=False))
     return specs
 
 

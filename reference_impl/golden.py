@@ -166,6 +166,18 @@ class GoldenSet:
         return int(self.output_ids.shape[1])
 
 
+@dataclass
+class ForcedPath:
+    """:meth:`ExactModel.forced`: per step the token's raw and temperature-scaled logprob with variance proxies
+    (``[N]`` and ``[N, C]``), and every routing decision ``(position, layer, gap, variance proxies)``."""
+
+    raw: torch.Tensor
+    raw_var: torch.Tensor
+    scaled: torch.Tensor
+    scaled_var: torch.Tensor
+    routes: list[tuple[int, int, float, torch.Tensor]]
+
+
 def checkpoint_digest(tensors: dict[str, torch.Tensor]) -> str:
     """sha256 over the sorted tensor names, dtypes, shapes and bytes (independent of the file layout)."""
     h = hashlib.sha256()
@@ -230,6 +242,25 @@ class ExactModel:
         with self._using(observer=tap, forced_routes=forced) as model, torch.no_grad():
             logits = model.logits([torch.tensor(list(prompt) + list(continuation[:-1]))])
         return logits[len(prompt) - 1:], tap.routers
+
+    def forced(self, prompt: list[int], continuation: list[int], temperature: float) -> ForcedPath:
+        """The reference's answer for a continuation it did not choose (a sampled one): at each step the
+        logprob of the continuation's token, raw (``log_softmax(logits)``) and temperature-scaled
+        (``log_softmax(logits / temperature)``), and the path's routing gaps, each with its variance proxies."""
+        analysis, logits = self.analyse(prompt, continuation)
+        n = len(continuation)
+        with torch.enable_grad():
+            raw, scaled = torch.log_softmax(logits, -1), torch.log_softmax(logits / temperature, -1)
+            fs = [raw[j, continuation[j]] for j in range(n)] + [scaled[j, continuation[j]] for j in range(n)]
+            routes = []
+            for layer, router in enumerate(analysis.routers):
+                ranked = torch.topk(router.detach(), self.cfg.top_k + 1, dim=-1).indices
+                for t in range(router.shape[0]):
+                    fs.append(router[t, ranked[t, -2]] - router[t, ranked[t, -1]])
+                    routes.append((t, layer))
+        values, var = torch.stack([f.detach() for f in fs]), analysis.variances(fs)
+        return ForcedPath(values[:n], var[:n], values[n:2 * n], var[n:2 * n],
+                          [(t, layer, float(values[2 * n + k]), var[2 * n + k]) for k, (t, layer) in enumerate(routes)])
 
     def golden(self, prompts: list[list[int]], steps: int, top_k: int = TOP_K, variances: bool = True) -> GoldenSet:
         """Greedy outputs, logprobs, top-K logit gaps and routing gaps, with the variance proxies of the

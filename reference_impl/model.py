@@ -47,6 +47,7 @@ class ModelConfig:
     norm_topk_prob: bool = True
     eos_token_id: int | None = None
     max_position_embeddings: int = 256
+    tie_word_embeddings: bool = False  # lm_head is model.embed_tokens (ModelOpt then writes no lm_head.weight)
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
@@ -75,9 +76,7 @@ class ModelConfig:
                               norm_topk_prob=bool(cfg.get("norm_topk_prob", True)))
         except KeyError as exc:
             raise CheckpointError(f"config.json: missing key {exc.args[0]!r}") from exc
-        if cfg.get("tie_word_embeddings"):
-            raise CheckpointError("config.json: tied word embeddings are not supported by the reference model")
-        return cls(**common)
+        return cls(**common, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)))
 
 
 @dataclass(frozen=True)
@@ -131,7 +130,8 @@ def checkpoint_specs(cfg: ModelConfig, quant: QuantConfig) -> list[TensorSpec]:
     """Every tensor a checkpoint of ``cfg`` must hold, with dtype and shape."""
     bf16, h = torch.bfloat16, cfg.hidden_size
     specs = [TensorSpec("model.embed_tokens.weight", bf16, (cfg.vocab_size, h)),
-             TensorSpec("model.norm.weight", bf16, (h,)), TensorSpec("lm_head.weight", bf16, (cfg.vocab_size, h))]
+             TensorSpec("model.norm.weight", bf16, (h,)),
+             TensorSpec("lm_head.weight", bf16, (cfg.vocab_size, h), required=not cfg.tie_word_embeddings)]
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}"
         specs += [TensorSpec(f"{p}.input_layernorm.weight", bf16, (h,)),
@@ -148,8 +148,32 @@ def checkpoint_specs(cfg: ModelConfig, quant: QuantConfig) -> list[TensorSpec]:
 def validate_checkpoint(ckpt: Checkpoint) -> ModelConfig:
     """The model config of ``ckpt`` after checking every tensor it needs (clear error otherwise)."""
     cfg = ModelConfig.from_hf(ckpt.hf_config)
+    _check_servable(cfg, ckpt)
     check_tensors(ckpt.tensors, checkpoint_specs(cfg, ckpt.quant), source=ckpt.path)
     return cfg
+
+
+def _check_servable(cfg: ModelConfig, ckpt: Checkpoint) -> None:
+    """What a real export may hold that this W4A16 reference cannot serve faithfully: a clear error each."""
+    if ckpt.quant.kv_cache_quant_algo is not None:
+        raise CheckpointError(
+            f"{ckpt.path}: kv_cache_quant_algo {ckpt.quant.kv_cache_quant_algo!r}: the checkpoint asks engines for a "
+            f"quantized KV cache (k_scale / v_scale); the reference serves W4A16 NVFP4 with a BF16 KV cache, so its golden "
+            f"outputs and bounds would not hold: export without KV-cache quantization")
+    embed = ckpt.tensors.get("model.embed_tokens.weight")
+    if embed is not None and embed.dtype == torch.float16:
+        raise CheckpointError(
+            f"{ckpt.path}: the unquantized tensors are float16 (model.embed_tokens.weight); W4A16 NVFP4 means BF16 "
+            f"activations and BF16 unquantized weights: quantize and export the model in bfloat16 "
+            f"(model.to(torch.bfloat16) before modelopt.torch.quantization.quantize)")
+    for name, t in ckpt.tensors.items():
+        # engines apply pre_quant_scale in dense linears only (SGLang 0.5.23's NVFP4 MoE method has none), and so
+        # does the reference: an expert scale other than ones would be silently dropped by both
+        if ".experts." in name and name.endswith(".pre_quant_scale") and not bool((t.float() == 1).all()):
+            raise CheckpointError(
+                f"{ckpt.path}: tensor {name!r} is an AWQ pre_quant_scale of a MoE expert with values other than 1; "
+                f"neither engines' MoE paths nor the reference apply it, so no engine can serve this checkpoint as "
+                f"written")
 
 
 def _slice_linear(t: dict, prefix: str, rows: slice | None, cols: slice | None) -> dict[str, torch.Tensor]:
@@ -174,8 +198,9 @@ def shard_weights(cfg: ModelConfig, tensors: dict[str, torch.Tensor], layout: La
                   device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     """Flat dict ``<linear>.<field>`` / ``<param>`` of this rank's slice, on ``device``."""
     out: dict[str, torch.Tensor] = {}
-    for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+    for name in ("model.embed_tokens.weight", "model.norm.weight"):
         out[name] = tensors[name]
+    out["lm_head.weight"] = tensors["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
     hd, a = cfg.head_dim, layout
     q_rows = _split(cfg.num_heads, a.attn_size, a.attn_rank, "attention heads")
     if cfg.num_kv_heads < a.attn_size and a.attn_size % cfg.num_kv_heads == 0:

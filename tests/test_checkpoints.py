@@ -72,6 +72,10 @@ def transformers_model(ckpt):
                 [torch.cat([sd.pop(f"{p}.{e}.gate_proj.weight"), sd.pop(f"{p}.{e}.up_proj.weight")]) for e in range(n)])
             sd[f"{p}.down_proj"] = torch.stack([sd.pop(f"{p}.{e}.down_proj.weight") for e in range(n)])
     missing, unexpected = model.load_state_dict(sd, strict=False)
+    if hf_cfg.tie_word_embeddings:  # no lm_head.weight in the file: transformers' own tying supplies it
+        model.tie_weights()
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr(), "lm_head not tied"
+        missing = [m for m in missing if m != "lm_head.weight"]
     assert not missing and not unexpected, f"state dict mismatch: missing {missing}, unexpected {unexpected}"
     return model
 
@@ -159,7 +163,7 @@ class Malformed:
 
 MALFORMED = [
     Malformed("missing-tensor", "drop:model.layers.1.mlp.down_proj.weight_scale", r"missing tensor 'model\.layers\.1\.mlp\.down_proj\.weight_scale'"),
-    Malformed("missing-awq-scale", "drop:model.layers.0.self_attn.q_proj.pre_quant_scale", r"missing tensor '.*q_proj\.pre_quant_scale'"),
+    Malformed("wrong-awq-scale-shape", "shape:model.layers.0.self_attn.q_proj.pre_quant_scale", r"'model\.layers\.0\.self_attn\.q_proj\.pre_quant_scale' has shape \(255,\), expected \(256,\)"),
     Malformed("wrong-dtype", "dtype:model.layers.0.self_attn.q_proj.weight_scale", r"'model\.layers\.0\.self_attn\.q_proj\.weight_scale' has dtype torch\.float32, expected torch\.float8_e4m3fn"),
     Malformed("wrong-shape", "shape:model.layers.0.mlp.up_proj.weight", r"'model\.layers\.0\.mlp\.up_proj\.weight' has shape \(511, 128\), expected \(512, 128\)"),
     Malformed("bad-global-scale", "zero:model.layers.0.mlp.up_proj.weight_scale_2", r"'model\.layers\.0\.mlp\.up_proj\.weight_scale_2' must be finite and positive"),
@@ -241,3 +245,77 @@ def test_fixtures_are_deterministic(tmp_path, ckpt_root):
     build(tmp_path, archs=("dense",), algos=("NVFP4_AWQ",))
     for name in ("dense-nvfp4_awq-a", "dense-nvfp4_awq-b", "dense-nvfp4_awq-corrupt"):
         assert (tmp_path / name / "model.safetensors").read_bytes() == (ckpt_root / name / "model.safetensors").read_bytes()
+
+
+# ----------------------------------------------------------------------------------------- what real exports do
+def _edited_copy(src, dst, edit) -> None:
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    t = load_file(str(dst / "model.safetensors"))
+    edit(t)
+    save_file(t, str(dst / "model.safetensors"))
+
+
+def _exact_logits(path) -> torch.Tensor:
+    ckpt = load_checkpoint(path)
+    cfg = validate_checkpoint(ckpt)
+    return TinyModel(cfg, shard_weights(cfg, ckpt.tensors), act_dtype=torch.float64).logits([PROMPT])
+
+
+def test_absent_awq_scale_is_the_identity(ckpt_root, tmp_path):
+    """ModelOpt folds AWQ scales into the preceding RMSNorm or linear and writes none for those linears: an absent
+    pre_quant_scale serves as ones (as engines initialise it), exactly; a present one is applied (it matters)."""
+    src = ckpt_root / checkpoint_name("dense", "NVFP4_AWQ", "a")
+    name = "model.layers.0.self_attn.q_proj.pre_quant_scale"
+    _edited_copy(src, tmp_path / "ones", lambda t: t.__setitem__(name, torch.ones_like(t[name])))
+    _edited_copy(src, tmp_path / "absent", lambda t: t.pop(name))
+    assert torch.equal(_exact_logits(tmp_path / "ones"), _exact_logits(tmp_path / "absent"))
+    assert not torch.allclose(_exact_logits(src), _exact_logits(tmp_path / "absent"), atol=1e-3)
+
+
+def test_tied_embeddings_use_the_embedding_as_head(ckpt_root, tmp_path):
+    """tie_word_embeddings: ModelOpt writes no lm_head.weight; the head is model.embed_tokens.weight."""
+    src = ckpt_root / checkpoint_name("dense", "W4A16_NVFP4", "a")
+    _edited_copy(src, tmp_path / "untied", lambda t: t.__setitem__("lm_head.weight", t["model.embed_tokens.weight"].clone()))
+    _edited_copy(src, tmp_path / "tied", lambda t: t.pop("lm_head.weight"))
+    c = json.loads((tmp_path / "tied" / "config.json").read_text())
+    (tmp_path / "tied" / "config.json").write_text(json.dumps({**c, "tie_word_embeddings": True}))
+    assert torch.equal(_exact_logits(tmp_path / "untied"), _exact_logits(tmp_path / "tied"))
+    with pytest.raises(CheckpointError, match="missing tensor 'lm_head.weight'"):  # untied needs its head
+        (tmp_path / "tied" / "config.json").write_text(json.dumps(c))
+        validate_checkpoint(load_checkpoint(tmp_path / "tied"))
+
+
+@pytest.mark.parametrize("case", ["fp8-kv-cache", "float16", "expert-awq-scale"])
+def test_unservable_export_is_a_clear_error(ckpt_root, tmp_path, case):
+    arch = "moe" if case == "expert-awq-scale" else "dense"
+    src = ckpt_root / checkpoint_name(arch, "NVFP4", "a")
+    path = tmp_path / "ckpt"
+    if case == "fp8-kv-cache":
+        shutil.copytree(src, path)
+        q = json.loads((path / "hf_quant_config.json").read_text())
+        q["quantization"]["kv_cache_quant_algo"] = "FP8"
+        (path / "hf_quant_config.json").write_text(json.dumps(q))
+        match = "kv_cache_quant_algo 'FP8'.*BF16 KV cache"
+    elif case == "float16":
+        _edited_copy(src, path, lambda t: t.update({k: v.half() for k, v in t.items() if v.dtype == torch.bfloat16}))
+        match = "unquantized tensors are float16.*bfloat16"
+    else:
+        pqs = "model.layers.0.mlp.experts.3.up_proj.pre_quant_scale"
+        _edited_copy(src, path, lambda t: t.__setitem__(pqs, torch.full((256,), 1.5, dtype=torch.bfloat16)))
+        match = f"'{pqs}' is an AWQ pre_quant_scale of a MoE expert"
+    with pytest.raises(CheckpointError, match=match):
+        validate_checkpoint(load_checkpoint(path))
+
+
+def test_reload_with_another_tensor_set_is_refused(ckpt_root, tmp_path):
+    """A reload whose checkpoint holds other tensors (an AWQ scale folded away) fails; nothing is committed."""
+    from reference_impl.model import Comm
+    from reference_impl.server.engine import Engine, EngineError
+
+    src = ckpt_root / checkpoint_name("dense", "NVFP4_AWQ", "a")
+    _edited_copy(src, tmp_path / "folded", lambda t: t.pop("model.layers.1.self_attn.o_proj.pre_quant_scale"))
+    engine = Engine(str(src), Layout(), Comm())
+    with pytest.raises(EngineError, match="different set of tensors"):
+        engine.stage_weights(str(tmp_path / "folded"))

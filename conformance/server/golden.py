@@ -109,6 +109,7 @@ class GoldenTruth:
     path: str
     golden: object  # reference_impl.golden.GoldenSet
     _exact: object = field(default=None, repr=False)
+    _forced: dict = field(default_factory=dict, repr=False)  # (prompt, continuation, temperature) -> ForcedPath
 
     def exact(self):
         if self._exact is None:
@@ -128,27 +129,38 @@ class GoldenTruth:
     def explain(self, prompt: int, step: int, token: int, logprob: float, tp: int) -> str | None:
         """A branch of near-tie routing flips in which ``token`` with ``logprob`` at ``step`` is within
         bounds (described), or None. Breadth first over flip sets, at most MAX_BRANCHES forwards."""
-        g, ex = self.golden, self.exact()
-        ids, cont = g.prompt_ids[prompt], g.output_ids[prompt].tolist()
-        last = len(ids) - 1 + step
+        g = self.golden
         gap_var = self.gap(prompt, step, token)[1] if token != int(g.output_ids[prompt, step]) else None
         gap_bound = float(golden_bound(gap_var, tp)) if gap_var is not None else 0.0
         lp_bound = float(golden_bound(g.logprob_var[prompt, step], tp))
+
+        def accept(row: torch.Tensor) -> str | None:
+            lp = float(torch.log_softmax(row, -1)[token])
+            if float(row.max() - row[token]) <= gap_bound and abs(logprob - lp) <= lp_bound + gap_bound:
+                return f"gives token {token} with logprob {lp:.4f}"
+            return None
+
+        return self.search_branches(g.prompt_ids[prompt], g.output_ids[prompt].tolist(), step, accept,
+                                    lambda t, layer: float(golden_bound(g.route_var[prompt, t, layer], tp)))
+
+    def search_branches(self, ids: list[int], cont: list[int], step: int, accept, route_bound) -> str | None:
+        """Breadth first over sets of near-tie routing flips on the path ``ids + cont`` (a decision at
+        (position t, layer) is a near tie when its gap is within ``route_bound(t, layer)``), at most
+        MAX_BRANCHES forwards: the first branch whose step logits ``accept`` (a description, or None)."""
+        ex, last = self.exact(), len(ids) - 1 + step
         queue, seen, spent = [{}], {()}, 0
         while queue and spent < MAX_BRANCHES:
             forced = queue.pop(0)
             logits, routers = ex.branch(ids, cont, forced)
             spent += 1
-            row = logits[step]
-            lp = float(torch.log_softmax(row, -1)[token])
-            if float(row.max() - row[token]) <= gap_bound and abs(logprob - lp) <= lp_bound + gap_bound:
-                return (f"routing {sorted(forced)} taken the other way (a branch of near ties) gives token {token} "
-                        f"with logprob {lp:.4f}")
+            why = accept(logits[step])
+            if why:
+                return f"routing {sorted(forced)} taken the other way (a branch of near ties) {why}"
             for layer, router in enumerate(routers):
                 ranked = torch.topk(router, ex.cfg.top_k + 1, dim=-1)
                 for t in range(min(last + 1, router.shape[0])):
                     gap = float(ranked.values[t, -2] - ranked.values[t, -1])
-                    if (layer, t) in forced or gap > float(golden_bound(g.route_var[prompt, t, layer], tp)):
+                    if (layer, t) in forced or gap > route_bound(t, layer):
                         continue
                     nxt = {**forced, (layer, t): (int(ranked.indices[t, -2]), int(ranked.indices[t, -1]))}
                     key = tuple(sorted(nxt))
@@ -223,6 +235,61 @@ def compare_with_golden(outputs: list[Generation], truth: GoldenTruth, tp: int, 
             if token != ref:
                 result.notes.append(f"prompt {i}: legitimate divergence at step {j} (gap {gap:.3g} <= {gap_bound:.3g})")
                 break
+    return result
+
+
+def compare_sampled_with_reference(outputs: list[Generation], truth: GoldenTruth, tp: int, temperature: float,
+                                   what: str, prompts: tuple[str, ...] = PROMPTS) -> GoldenResult:
+    """Sampled generations: each returned logprob must be the reference's logprob of the token the engine
+    sampled, given the engine's own prefix (teacher-forced through the exact model), within its bound. Both
+    conventions engines use are accepted: the raw distribution (vLLM's default, SGLang with
+    SGLANG_RETURN_ORIGINAL_LOGPROB, the reference server) and the temperature-scaled one (SGLang 0.5.23's
+    default, ``log_softmax(logits / temperature)``; its bound comes from the variance proxies of that very
+    function). The tokens themselves are not judged (engines' random streams differ). On a MoE model a
+    disagreement after a near-tie routing on that path is searched for in the branches, as for greedy
+    outputs, and the comparison of that prompt stops there if a branch explains it."""
+    g, result = truth.golden, GoldenResult()
+    assert len(outputs) == len(g.prompt_ids), f"{what}: {len(outputs)} outputs for {len(g.prompt_ids)} prompts"
+    for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+        where = f"{what}: prompt {prompt!r}"
+        assert out.logprobs is not None and len(out.logprobs) >= len(out.ids), f"{where}: no logprobs returned"
+        cont, ids = [int(t) for t in out.ids], g.prompt_ids[i]
+        key = (i, tuple(cont), temperature)
+        if key not in truth._forced:
+            truth._forced[key] = truth.exact().forced(ids, cont, temperature)
+        path = truth._forced[key]
+        route_var = {(t, layer): var for t, layer, _gap, var in path.routes}
+        ties = [t for t, _layer, gap, var in path.routes if gap <= float(golden_bound(var, tp))]
+        for j in range(len(cont)):
+            lp = out.logprobs[j]
+            raw_b = float(golden_bound(path.raw_var[j], tp))
+            scaled_b = float(golden_bound(path.scaled_var[j], tp))
+
+            def ratio_of(raw: float, scaled: float) -> float:
+                return min(abs(lp - raw) / raw_b if raw_b > 0 else math.inf,
+                           abs(lp - scaled) / scaled_b if scaled_b > 0 else math.inf)
+
+            ratio = ratio_of(float(path.raw[j]), float(path.scaled[j]))
+            if not ratio <= 1.0:  # also catches NaN
+                if any(t <= len(ids) - 1 + j for t in ties):
+                    def accept(row, tok=cont[j]):
+                        r = ratio_of(float(torch.log_softmax(row, -1)[tok]),
+                                     float(torch.log_softmax(row / temperature, -1)[tok]))
+                        return f"gives the sampled token logprob {lp:.4f} (ratio {r:.2f})" if r <= 1.0 else None
+
+                    why = truth.search_branches(ids, cont, j, accept,
+                                                lambda t, layer: float(golden_bound(route_var[(t, layer)], tp)))
+                    if why:
+                        result.notes.append(f"prompt {i}, sampled step {j}: {why}; comparison stopped")
+                        break
+                raise AssertionError(
+                    f"{where}, sampled step {j} (id {cont[j]}, sampled path {cont}): logprob {lp:.6f} is not the "
+                    f"reference's logprob of that token: raw {float(path.raw[j]):.6f} (bound {raw_b:.3e}) nor "
+                    f"temperature-scaled (T={temperature}) {float(path.scaled[j]):.6f} (bound {scaled_b:.3e}) "
+                    f"({truth.label}; conformance/server/bounds.golden_bound)"
+                    f"{' (nor explained by near-tie routings)' if ties else ''}")
+            result.compared += 1
+            result.worst_ratio = max(result.worst_ratio, ratio)
     return result
 
 

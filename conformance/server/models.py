@@ -165,10 +165,19 @@ class ModelCatalog:
         return list(self.families)
 
     def check_user_checkpoints(self) -> None:
-        """Cheap start-up checks of every user checkpoint (tokenizer present and fitting)."""
+        """Start-up checks of every user checkpoint: one the reference can serve (every tensor it needs, no
+        KV-cache quantization, BF16 unquantized tensors: reference_impl/model.validate_checkpoint reads them
+        all once), and a tokenizer present and fitting."""
+        from reference_impl.checkpoint import CheckpointError, load_checkpoint
+        from reference_impl.model import validate_checkpoint
+
         for c in self.checkpoints:
             if not (Path(c) / "config.json").is_file():
                 raise ModelError(f"--server-checkpoint {c!r}: no config.json (expects a Hugging Face layout directory)")
+            try:
+                validate_checkpoint(load_checkpoint(c))
+            except CheckpointError as exc:
+                raise ModelError(f"--server-checkpoint {c!r} cannot be served by the reference: {exc}") from exc
             check_tokenizer_fits(c, resolve_tokenizer(c, self.tokenizer))
 
     def served(self, name: str) -> ServedModel:

@@ -24,7 +24,7 @@ from .bounds import RELOAD_LOGPROB_TOL, tp_logprob_bound
 from .client import Deadline, Generation
 from .derive import verify_corrupt
 from .dialects import ServerDialect, SamplingSpec
-from .golden import GREEDY, PROMPTS, GoldenResult, GoldenTruth, compare_with_golden
+from .golden import GREEDY, PROMPTS, GoldenResult, GoldenTruth, compare_sampled_with_reference, compare_with_golden
 from .models import ServedModel
 
 
@@ -61,6 +61,13 @@ def check_golden(ctx: ScenarioContext, outputs: list[Generation], weight_set: st
     """``outputs`` (greedy, for PROMPTS) are the reference's golden outputs of ``weight_set``."""
     ctx.golden.add(compare_with_golden(outputs, ctx.truths[weight_set], ctx.tp if tp is None else tp,
                                        f"{what} vs the reference's golden outputs of weight set {weight_set!r}"))
+
+
+def check_sampled(ctx: ScenarioContext, outputs: list[Generation], weight_set: str, what: str) -> None:
+    """``outputs`` (SEEDED_SPEC sampling, for PROMPTS) carry the reference's logprobs of the tokens they sampled."""
+    ctx.golden.add(compare_sampled_with_reference(
+        outputs, ctx.truths[weight_set], ctx.tp, SEEDED_SPEC.temperature,
+        f"{what} vs the reference's logprobs of the sampled tokens under weight set {weight_set!r}"))
 
 
 def _start(ctx: ScenarioContext) -> list[Generation]:
@@ -124,8 +131,8 @@ def reload_same_checkpoint(ctx: ScenarioContext) -> None:
 
 
 def reload_different_weights(ctx: ScenarioContext) -> None:
-    """Reloading other weights must give the golden outputs of those weights (not merely different ones);
-    reloading the originals restores them bit for bit."""
+    """Reloading other weights must give the golden outputs of those weights (not merely different ones), for
+    greedy and for sampled requests; reloading the originals restores them bit for bit."""
     before = _start(ctx)
     _reload(ctx, ctx.model.b)
     other = _greedy(ctx.client)
@@ -133,6 +140,7 @@ def reload_different_weights(ctx: ScenarioContext) -> None:
         "reload_different_weights: outputs after loading different weights are identical to before; "
         "the reload did not take effect")
     check_golden(ctx, other, "b", "reload_different_weights: after reloading b")
+    check_sampled(ctx, ctx.client.generate(list(PROMPTS), SEEDED_SPEC), "b", "reload_different_weights: seeded sampling after reloading b")
     _reload(ctx, ctx.model.a)
     restored = _greedy(ctx.client)
     _assert_same(before, restored, "reload_different_weights (originals restored)", None)
@@ -227,7 +235,7 @@ def _one_prompt(truth: GoldenTruth, i: int) -> GoldenTruth:
 
 def repeated_requests_deterministic(ctx: ScenarioContext) -> None:
     """The same greedy request repeated gives identical tokens and logprobs; the same seeded sampling
-    request gives identical tokens."""
+    request gives identical tokens, whose logprobs are the reference's for those tokens."""
     first = _start(ctx)
     for k in range(3):
         _assert_same(first, _greedy(ctx.client), f"repeated_requests_deterministic (repeat {k + 1})", None)
@@ -235,6 +243,7 @@ def repeated_requests_deterministic(ctx: ScenarioContext) -> None:
     s2 = ctx.client.generate(list(PROMPTS), SEEDED_SPEC)
     for prompt, a, b in zip(PROMPTS, s1, s2):
         assert a.ids == b.ids, f"repeated_requests_deterministic: seeded sampling of {prompt!r}: {list(a.ids)} != {list(b.ids)}"
+    check_sampled(ctx, s1, "a", "repeated_requests_deterministic: seeded sampling")
 
 
 def batch_size_invariance(ctx: ScenarioContext) -> None:

@@ -75,7 +75,12 @@ class Engine:
         cfg = validate_checkpoint(ckpt)
         if cfg != self.cfg:
             raise EngineError(f"checkpoint {path!r} has a different model config than the one being served")
-        return shard_weights(cfg, ckpt.tensors, self.layout, self.device)
+        staged = shard_weights(cfg, ckpt.tensors, self.layout, self.device)
+        if staged.keys() != self.weights.keys():  # e.g. an AWQ scale present in one, folded away in the other
+            diff = sorted(staged.keys() ^ self.weights.keys())
+            raise EngineError(f"checkpoint {path!r} holds a different set of tensors than the one being served "
+                              f"({len(diff)} differ, e.g. {diff[:3]})")
+        return staged
 
     def commit_weights(self, new: dict[str, torch.Tensor]) -> None:
         """Copy staged weights into the served tensors (same objects, same storage: what captured
