@@ -157,3 +157,20 @@ CORRECT = [
     Fp32DequantBf16Gemm, AlphaFoldedIntoScales, SplitKFp32, SplitK8Fp32, TensorCoreRTZ, TensorCoreRTZ32,
     AwqBf16Prescale, Kahan, BiasAfterBf16Rounding,
 ]
+
+
+class AlphaOnActivationsBf16(DenseRedTeam):
+    """alpha applied to the activations in BF16 (``x * alpha`` rounded) before an exact-weight GEMM: within the
+    error bound (one rounding per activation, as the weight-rounding term allows for weights), but a second
+    rounding the strict single-rounding checks flag where alpha is not a power of two (``cpu-alpha-1p5-*``)."""
+    name = "rt-alpha-on-activations-bf16"
+
+    def activations(self, p, x2):
+        return (super().activations(p, x2) * torch.tensor(p.alpha)).bfloat16().float()
+
+    def epilogue(self, p, acc):
+        return self.to_output(acc + p.bias if p.bias is not None else acc)
+
+
+#: Correct under the error-bound contract, double-rounding: flagged by the strict checks only (docs/dense.md).
+STRICT_FLAGGED = [AlphaOnActivationsBf16]
