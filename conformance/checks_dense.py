@@ -210,8 +210,9 @@ def check_deterministic(run: DenseRun, backend: Backend, repeats: int = DETERMIN
 #: (:mod:`conformance.bounds_rounding`). Stricter than the error-bound contract: a backend that rounds twice on
 #: purpose (e.g. BF16 split-K partials) passes the bound and fails these; it can accept them per backend in its
 #: expectation file (``conformance/test_dense.py::test_dense_single_rounding[<backend>-``). They run on the
-#: cases that list them in ``DenseCase.strict_checks`` (power-of-two ``alpha``, so that the contract's other
-#: roundings vanish and ``d`` is the accumulation allowance alone).
+#: cases that list them in ``DenseCase.strict_checks`` (``alpha`` a power of two or 1.5 times one, so that every
+#: dequantized weight is a BF16 number, the contract's other roundings vanish and ``d`` is the accumulation
+#: allowance alone).
 STRICT_CHECKS = ("check_correctly_rounded", "check_rounding_direction", "check_ulp_error_spread")
 
 

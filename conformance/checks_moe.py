@@ -149,6 +149,35 @@ def check_moe_ep_sum(run: MoERun) -> ErrorFigures:
     return fig
 
 
+#: Rows the second batch of :func:`check_moe_prepared_reuse` is rolled by.
+REUSE_ROLL = 1
+
+
+def check_moe_prepared_reuse(run: MoERun, backend: Backend) -> ErrorFigures:
+    """A prepared layer serves many batches: ``run_moe`` on the same prepared experts with a second batch -- the
+    case's tokens rolled by :data:`REUSE_ROLL` rows, ids and weights with them -- is within the bound of the rolled
+    exact output. Rows are independent (a token's exact value and bound depend on its own x, ids and weights
+    only), so rolling the inputs rolls the exact value and the bound: no new truth is computed and the tolerance
+    is the derived bound itself (no false failures beyond :func:`check_moe_within_bound`'s). Catches state carried
+    from one call to the next, e.g. a persistent output workspace in which the rows of tokens with no local
+    expert (all slots remote or ``-1``) are skipped and keep the previous call's values: on a fresh workspace the
+    first call is right. Run last on its run (a backend may legally return a buffer it reuses)."""
+    worst = None
+    for r, (p, ref) in enumerate(zip(run.prepared, rank_bounds(run))):
+        shifted = [t.roll(REUSE_ROLL, 0) for t in (run.x, run.topk_ids, run.topk_weights)]
+        y = backend.run_moe(p, *shifted)
+        if not isinstance(y, torch.Tensor) or y.dtype != torch.bfloat16 or tuple(y.shape) != tuple(run.x.shape):
+            raise _fail("moe_prepared_reuse", f"rank {r}: second call returned "
+                        f"{getattr(y, 'dtype', type(y).__name__)} {tuple(getattr(y, 'shape', ()))}", run, r)
+        fig = error_figures(y, ref.exact.roll(REUSE_ROLL, 0), ref.bound.roll(REUSE_ROLL, 0))
+        if not fig.bound_ratio <= 1.0:
+            raise _fail("moe_prepared_reuse", f"rank {r}, second batch (tokens rolled by {REUSE_ROLL}) on the same "
+                        f"prepared experts: {_worst_report(fig)} (state left over from the first call?)", run, r)
+        if worst is None or fig.bound_ratio > worst.bound_ratio:
+            worst = fig
+    return worst
+
+
 def check_moe_deterministic(run: MoERun, backend: Backend) -> None:
     """``run_moe`` on the same prepared experts and inputs is bitwise reproducible."""
     for r, (p, first) in enumerate(zip(run.prepared, run.outputs)):
@@ -177,3 +206,31 @@ def check_moe_input_scales_ignored(run: MoERun, backend: Backend) -> None:
                 diff = (y.float() - first.float()).abs()
                 raise _fail("moe_input_scales_ignored", f"rank {r}: input scales {name} changed the output "
                             f"({int((diff > 0).sum())} elements, max {diff.max().item():.4g})", run, r)
+
+
+def failing_moe_checks(backend: Backend, case: MoECase) -> dict[str, str]:
+    """Every MoE check the conformance tests run, in their order, each on its own: ``{check name: first line of
+    its failure}`` for those that fail (the name is the bracketed tag the failure starts with). The prepared-reuse
+    check runs last, on its own run (a backend may reuse the buffer it returns)."""
+    run = run_moe_case(backend, case)
+    checks: list[Callable[[MoERun], Any]] = [
+        lambda r: check_moe_summary_figures(check_moe_within_bound(r), r),
+        lambda r: check_moe_deterministic(r, backend),
+        lambda r: check_moe_ep_sum(r) if case.ep_size > 1 else None,
+        lambda r: check_moe_input_scales_ignored(r, backend),
+    ]
+    failures = {}
+    for check in checks:
+        try:
+            check(run)
+        except AssertionError as exc:
+            failures.setdefault(_check_tag(str(exc)), str(exc).splitlines()[0])
+    try:
+        check_moe_prepared_reuse(run_moe_case(backend, case), backend)
+    except AssertionError as exc:
+        failures.setdefault(_check_tag(str(exc)), str(exc).splitlines()[0])
+    return failures
+
+
+def _check_tag(message: str) -> str:
+    return message[1:message.index("]")] if message.startswith("[") and "]" in message else "unnamed"

@@ -26,7 +26,9 @@ from .adapter import CaseInfo, DenseLayer
 from .cases import WithinBound
 from .tiers import device_for_tier
 
-WeightKind = Literal["gaussian", "zero_blocks", "e4m3_max", "e4m3_subnormal", "pow2_alpha", "pow2_alpha_nonneg"]
+WeightKind = Literal[
+    "gaussian", "zero_blocks", "e4m3_max", "e4m3_subnormal", "pow2_alpha", "pow2_alpha_nonneg", "three_pow2_alpha",
+]
 XKind = Literal[
     "gaussian", "noncontiguous", "nonfinite", "nonneg",
     "beyond_fp16", "below_fp16_normal", "mixed_magnitudes", "channel_outliers",
@@ -48,7 +50,7 @@ class DenseCase:
     shards as ``(rows, gain)`` (each shard quantized on its own, so its ``weight_scale_2`` scales with
     ``gain``; empty = one shard of ``n`` rows); ``input_scale``: the layer carries a W4A4 ``input_scale``
     (must be ignored under W4A16); ``expect`` names the bound outputs are judged by; ``strict_checks`` the
-    single-rounding checks the case is built for (power-of-two alpha: ``conformance.bounds_rounding``)."""
+    single-rounding checks the case is built for (BF16-exact dequantized weights: ``conformance.bounds_rounding``)."""
 
     id: str
     tier: str
@@ -123,12 +125,17 @@ def _shard_weight(case: DenseCase, rows: int, gain: float, g: torch.Generator, d
             blocks[0] = 0
         q = quantize_modelopt(w)
         return q.packed, q.block_scale, q.weight_scale_2
-    if case.weight_kind in ("pow2_alpha", "pow2_alpha_nonneg"):
+    if case.weight_kind in ("pow2_alpha", "pow2_alpha_nonneg", "three_pow2_alpha"):
         # weight_scale_2 a power of two (>= amax / 2688, so no scale saturates): every e2m1 * e4m3 * alpha is a
         # BF16 number, so the contract's only rounding after the fp32 sum is the output's (single-rounding cases).
+        # "three_pow2_alpha": 1.5 * 2^e, NOT a power of two, still BF16-exact weights (e2m1 * e4m3 has <= 6
+        # significant bits, times 3 <= 8), but alpha * acc rounds: a datapath that rounds acc to BF16 before
+        # the alpha multiply rounds twice, where a power-of-two alpha would hide it.
         w = torch.randn(rows, k, generator=g, device=device) * gain
         w = w.abs() if case.weight_kind == "pow2_alpha_nonneg" else w
-        ws2 = 2.0 ** math.ceil(math.log2(float(w.abs().amax()) / (E2M1_MAX * E4M3_MAX)))
+        mantissa = 1.5 if case.weight_kind == "three_pow2_alpha" else 1.0
+        ideal = float(w.abs().amax()) / (E2M1_MAX * E4M3_MAX)
+        ws2 = mantissa * 2.0 ** math.ceil(math.log2(ideal / mantissa))
         q = quantize_modelopt(w, ws2)
         return q.packed, q.block_scale, q.weight_scale_2
     # Checkpoint bytes chosen directly, to reach the corners of the E4M3 range.
@@ -267,7 +274,7 @@ def _cpu_cases() -> list[DenseCase]:
         DenseCase("cpu-x-below-fp16-normal", "cpu", (8,), 160, 128, x_kind="below_fp16_normal"),
         DenseCase("cpu-x-mixed-magnitudes", "cpu", (10,), 160, 128, x_kind="mixed_magnitudes"),
         DenseCase("cpu-x-channel-outliers-awq", "cpu", (6,), 160, 256, awq=True, x_kind="channel_outliers"),
-        # Single rounding: power-of-two alpha, so the output's rounding is the contract's only one after the sum.
+        # Single rounding: BF16-exact weights (power-of-two alpha), so the output's rounding is the contract's only one.
         DenseCase("cpu-pow2-alpha-m128-n160-k256", "cpu", (128,), 160, 256, weight_kind="pow2_alpha",
                   strict_checks=ALL_STRICT),
         DenseCase("cpu-pow2-alpha-m1-n2048-k256", "cpu", (1,), 2048, 256, weight_kind="pow2_alpha",
@@ -280,6 +287,9 @@ def _cpu_cases() -> list[DenseCase]:
                   x_kind="beyond_fp16", strict_checks=ALL_STRICT),
         DenseCase("cpu-pow2-alpha-x-mixed-magnitudes", "cpu", (40,), 256, 128, weight_kind="pow2_alpha",
                   x_kind="mixed_magnitudes", strict_checks=ALL_STRICT),
+        # alpha = 1.5 * 2^e: the alpha multiply rounds, so rounding acc to BF16 before it is a second rounding.
+        DenseCase("cpu-alpha-1p5-pow2-m128-n160-k256", "cpu", (128,), 160, 256, weight_kind="three_pow2_alpha",
+                  strict_checks=ALL_STRICT),
     ]
     return cases
 
@@ -319,6 +329,8 @@ def _cuda_cases() -> list[DenseCase]:
                   weight_kind="pow2_alpha_nonneg", x_kind="nonneg", strict_checks=("check_correctly_rounded",)),
         DenseCase("cuda-pow2-alpha-x-mixed-magnitudes", "cuda", (65,), 4096, 256, weight_kind="pow2_alpha",
                   x_kind="mixed_magnitudes", strict_checks=ALL_STRICT),
+        DenseCase("cuda-alpha-1p5-pow2-m4096-n4096-k256", "cuda", (4096,), 4096, 256, weight_kind="three_pow2_alpha",
+                  strict_checks=ALL_STRICT),
     ]
     return cases
 

@@ -11,6 +11,7 @@ from conformance.checks_moe import (
     check_moe_deterministic,
     check_moe_ep_sum,
     check_moe_input_scales_ignored,
+    check_moe_prepared_reuse,
     check_moe_summary_figures,
     check_moe_within_bound,
     run_moe_case,
@@ -43,6 +44,13 @@ def test_moe_matches_reference(backend: Backend, case: MoECase, record_property)
     figures = check_moe_within_bound(run, record=lambda fig: _record(record_property, fig))
     check_moe_summary_figures(figures, run)
     check_moe_deterministic(run, backend)
+
+
+@pytest.mark.parametrize("case", as_params(MOE_CASES))
+def test_moe_prepared_reuse(backend: Backend, case: MoECase, record_property) -> None:
+    """The same prepared experts on a second batch (the tokens rolled by one row): no state from the first call."""
+    fig = check_moe_prepared_reuse(_run(backend, case), backend)
+    record_property("reuse_bound_ratio", fig.bound_ratio)
 
 
 @pytest.mark.parametrize("case", as_params(EP_CASES))

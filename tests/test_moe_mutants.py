@@ -14,6 +14,7 @@ from conformance.checks_moe import (
     check_moe_ep_sum,
     check_moe_input_scales_ignored,
     check_moe_output_contract,
+    check_moe_prepared_reuse,
     check_moe_summary_figures,
     check_moe_within_bound,
     run_moe_case,
@@ -48,6 +49,7 @@ def _all_checks(backend, case: MoECase) -> None:
     if case.ep_size > 1:
         check_moe_ep_sum(run)
     check_moe_input_scales_ignored(run, backend)
+    check_moe_prepared_reuse(run_moe_case(backend, case), backend)  # last, on its own run
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.__name__)

@@ -119,7 +119,8 @@ def test_modelopt_recipe_matches_nvidia_modelopt():
     """``quantize_modelopt`` vs NVIDIA ModelOpt 0.47.0's own quantizer (the calls its HF export makes), 0 differing
     bytes on: 10^6 random values (fp32, bf16); every adversarial family (ties of E2M1 codes and of ModelOpt's
     E4M3 scales, zero blocks, outliers, subnormal / underflowing / saturating scales) under four weight_scale_2
-    values each; a real-model-like bf16 weight; fused q/k/v shards quantized with their shared weight_scale_2.
+    values each; a real-model-like bf16 weight; fused q/k/v and gate/up shards quantized with the shared
+    weight_scale_2 ModelOpt derives for them (:func:`_fused_shard_inputs`).
     One test (not one per input) so only one xdist worker pays ModelOpt's ~10 s import."""
     _modelopt_or_skip()
     g = torch.Generator().manual_seed(14)
@@ -135,14 +136,44 @@ def test_modelopt_recipe_matches_nvidia_modelopt():
                 inputs[f"{family}-{dtype}-ws2={ws2}"] = (x, ws2)
     real = I.real_model_like_weight()
     inputs["real-model-like-bf16"] = (real, None)
-    q, k, v = real[:512], real[512:768] * 3, real[768:1024] * 0.25  # fused shards, different magnitudes
-    shared = float(torch.stack([s.float().abs().amax() for s in (q, k, v)]).amax()) / 2688.0
-    for name, shard in (("q", q), ("k", k), ("v", v)):
-        inputs[f"fused-qkv-{name}-shared-ws2"] = (shard.bfloat16(), shared)
+    inputs.update(_fused_shard_inputs(real))
     mismatches = {name: str(m) for name, (x, ws2) in inputs.items()
                   if (m := O.check_modelopt_package(F.quantize_modelopt, x, ws2)) is not None}
     assert not mismatches, f"{len(mismatches)} of {len(inputs)} inputs differ from ModelOpt: {mismatches}"
     assert len(inputs) >= 80
+
+
+def _fused_shard_inputs(real: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Fused shards as ModelOpt's HF export writes them (``preprocess_linear_fusion``: one amax, the max over the
+    shards, hence one ``weight_scale_2``), with the shared scale derived by ModelOpt itself
+    (``NVFP4QTensor.get_weights_scaling_factor_2`` of the concatenated shards); asserts the reference's
+    ``decode_scale_from_amax(max of the shard amaxes)`` has the same bits. Shards of the real-model-like bf16
+    weight: q/k/v at gains 1, 3, 1/4 and a 2^-8 one whose block scales span normal, subnormal and below-range
+    ideal values (ModelOpt clamps those to 2^-9: asserted, so the corner is reached); an MoE expert's gate/up pair
+    (gate 1.37x up)."""
+    from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
+
+    def gain(t: torch.Tensor, g: float) -> torch.Tensor:
+        return (t.float() * g).bfloat16()
+
+    groups = {
+        "qkv": {"q": real[:512], "k": gain(real[512:768], 3), "v": gain(real[768:896], 0.25),
+                "v-small": gain(real[896:1024], 2.0**-8)},
+        "gate-up": {"gate": gain(real[:256, :1024], 1.37), "up": real[256:512, :1024]},
+    }
+    inputs = {}
+    for group, shards in groups.items():
+        shared = NVFP4QTensor.get_weights_scaling_factor_2(torch.cat(list(shards.values()))).float().reshape(())
+        ours = F.decode_scale_from_amax(torch.stack([s.float().abs().amax() for s in shards.values()]).amax())
+        assert ours.view(torch.int32) == shared.view(torch.int32), f"{group}: weight_scale_2 {ours} vs ModelOpt {shared}"
+        for name, shard in shards.items():
+            inputs[f"fused-{group}-{name}-shared-ws2"] = (shard, shared)
+    small = groups["qkv"]["v-small"].float()
+    ideal = small.view(small.shape[0], -1, 16).abs().amax(-1) / (6 * inputs["fused-qkv-v-small-shared-ws2"][1])
+    scale_bytes = F.quantize_modelopt(small, inputs["fused-qkv-v-small-shared-ws2"][1]).block_scale.view(torch.uint8)
+    below = ideal < 2.0**-10  # plain rounding would give 0 here
+    assert int(below.sum()) > 20 and bool((scale_bytes[below] == 0x01).all()) and int((scale_bytes >= 0x08).sum()) > 20
+    return inputs
 
 
 def test_modelopt_all_zero_tensor_divergence_is_as_documented():
@@ -174,3 +205,4 @@ def test_modelopt_tie_family_separates_the_division_orders():
                                          dtype=torch.float64))
     assert int(exact_ties.sum()) >= 200
     assert int((other_order != ours).sum()) >= 30
+

@@ -1,0 +1,135 @@
+"""Self-tests from an independent red team (backends written from the adapter interface alone, without reading
+tests/mutants/): every broken backend is rejected by the named check on the case built for its bug class, and
+every correct-but-different backend passes every check on the cases where it differs from the reference.
+
+Kept cheap: each broken backend runs one case; each correct one the few cases its difference shows on (the full
+cpu tier for all of them: ``pytest conformance/test_dense.py conformance/test_moe.py -m cpu --backend
+tests.redteam_dense_ok:<Name>``, docs/dense.md and docs/moe.md give the measured figures).
+"""
+from __future__ import annotations
+
+import pytest
+
+from conformance.checks_dense import STRICT_CHECKS, failing_checks
+from conformance.checks_moe import failing_moe_checks
+from conformance.dense_cases import CPU_CASES
+from conformance.moe_cases import MOE_CASES
+
+from tests import redteam_dense as D
+from tests import redteam_dense_ok as DOK
+from tests import redteam_moe as M
+from tests import redteam_moe_ok as MOK
+
+DENSE = {c.id: c for c in CPU_CASES}
+MOE = {c.id: c for c in MOE_CASES if c.tier == "cpu"}
+STRICT_1P5 = "cpu-alpha-1p5-pow2-m128-n160-k256"  # alpha = 1.5 * 2^e: the alpha multiply rounds
+
+#: (broken backend, the case built for its bug class, the named check that must reject it there)
+DENSE_CAUGHT = [
+    (D.Fp16WholeTensor, "cpu-x-beyond-fp16", "check_within_error_bound"),
+    (D.Fp16InsideGemm, "cpu-x-below-fp16-normal", "check_within_error_bound"),
+    (D.Fp16Clamped, "cpu-x-beyond-fp16", "check_within_error_bound"),
+    (D.Fp16FlushSubnormals, "cpu-x-below-fp16-normal", "check_within_error_bound"),
+    (D.Fp16OutputOnly, "cpu-x-mixed-magnitudes", "check_within_error_bound"),
+    (D.Fp16Accumulation, "cpu-x-channel-outliers-awq", "check_within_error_bound"),
+    (D.Bf16SplitK, STRICT_1P5, "check_correctly_rounded"),
+    (D.Bf16SplitK4, "cpu-pow2-alpha-3d-noncontiguous", "check_correctly_rounded"),
+    (D.Bf16SplitK8, "cpu-pow2-alpha-m128-n160-k256", "check_correctly_rounded"),
+    (D.Bf16SplitKReducedInBf16, "cpu-pow2-alpha-m128-n160-k256", "check_correctly_rounded"),
+    (D.TruncatingOutput, "cpu-pow2-alpha-m128-n160-k256", "check_rounding_direction"),
+    (D.FloorOutput, "cpu-pow2-alpha-m128-n160-k256", "check_correctly_rounded"),
+    (D.RoundBeforeAlpha, STRICT_1P5, "check_correctly_rounded"),
+    (D.NibbleOrderOddBlocks, "cpu-m7-n160-k256", "check_within_error_bound"),
+    (D.LastBlockScaleFromPrevious, "cpu-k48-mult16-not64", "check_within_error_bound"),
+    (D.PartialScaleGroupZero, "cpu-k80-mult16-not64", "check_within_error_bound"),
+    (D.Ws2MinAcrossShards, "cpu-fused-qkv-3-scales", "check_within_error_bound"),
+    (D.Ws2PerShard, "cpu-fused-qkv-3-scales", "check_within_error_bound"),
+    (D.ScalesAsUE4M3Fnuz, "cpu-m7-n160-k256", "check_within_error_bound"),
+    (D.StridesIgnored, "cpu-noncontiguous", "check_within_error_bound"),
+    (D.AwqDivided, "cpu-awq", "check_within_error_bound"),
+]
+
+#: (correct backend, the cases its difference shows on)
+DENSE_ACCEPTED = [
+    (DOK.Pairwise, ("cpu-pow2-alpha-m128-n160-k256", "cpu-pow2-alpha-nonneg-m64-n128-k1024", STRICT_1P5)),
+    (DOK.TensorCoreRTZ32, ("cpu-pow2-alpha-nonneg-m64-n128-k1024", STRICT_1P5)),
+    (DOK.AlphaFoldedIntoScales, (STRICT_1P5, "cpu-fused-qkv-3-scales", "cpu-x-mixed-magnitudes", "cpu-e4m3-subnormal")),
+    (DOK.AwqBf16Prescale, ("cpu-awq-bias-3d", "cpu-x-channel-outliers-awq")),
+    (DOK.BiasAfterBf16Rounding, ("cpu-bias", "cpu-awq-bias-3d", "cpu-nonfinite-3d-bias")),
+]
+
+MOE_CAUGHT = [
+    (M.DuplicatesCountedOnce, "t32_e8_k2_duplicate_ids", "moe_within_bound"),
+    (M.DenseMaskScatter, "t32_e8_k4_all_slots_one_expert", "moe_within_bound"),
+    (M.NegOneAsExpert0, "t32_e8_k2_padding_ids", "moe_within_bound"),
+    (M.NegOneWrapsToLast, "t32_e8_k2_padding_ids", "moe_within_bound"),
+    (M.RenormalizedWeights, "t7_e64_k1_h128_i128", "moe_within_bound"),
+    (M.EpModuloOwnership, "t7_e8_k1_ep4_all_to_last", "moe_within_bound"),
+    (M.EpOffsetMissing, "t128_e8_k2_ep2", "moe_within_bound"),
+    (M.InplaceKeepsInputRows, "t32_e16_k2_rank0_only_ep4", "moe_within_bound"),
+    (M.StaleWorkspaceRows, "t32_e8_k2_padding_ids", "moe_prepared_reuse"),
+    (M.AccumulatingWorkspace, "t1_e8_k1_h128_i64", "moe_deterministic"),
+    (M.GateUpSwapped, "t1_e8_k1_h128_i64", "moe_within_bound"),
+    (M.RouterWeightOnInput, "t7_e8_k2_h192_i192", "moe_within_bound"),
+    (M.Fp16Intermediate, "t32_e8_k2_x_beyond_fp16", "moe_within_bound"),
+    (M.Fp16Hidden, "t32_e8_k2_x_below_fp16_normal", "moe_within_bound"),
+    (M.Fp16HiddenClamped, "t32_e8_k2_x_beyond_fp16", "moe_within_bound"),
+    (M.GateScaleForUp, "t128_e8_k2_gate_up_general", "moe_within_bound"),
+    (M.OaiClampMissing, "t128_e8_k2_swiglu_oai", "moe_within_bound"),
+]
+
+_ROUTING = ("t32_e8_k2_duplicate_ids", "t64_e16_k4_padding_ids_ep4", "t32_e8_k4_all_slots_one_expert")
+MOE_ACCEPTED = [
+    (MOK.DenseMaskScatterAdd, _ROUTING),
+    (MOK.NegOneMaskedToExpert0, ("t32_e8_k2_padding_ids", "t64_e16_k4_padding_ids_ep4")),
+    (MOK.ShuffledExpertOrder, ("t128_e64_k8_ep4",)),
+    (MOK.Fp32Intermediate, ("t128_e8_k2_swiglu_oai",)),
+    (MOK.Fp64Moe, ("t32_e16_k4_duplicate_ids_ep2",)),
+    (MOK.GroupedGemmPadded, ("t32_e8_k2_duplicate_ids", "t32_e16_k2_rank0_only_ep4")),
+    (MOK.GeluErf, ("t128_e8_k2_geglu",)),
+    (MOK.Bf16ExpertOutputBeforeWeight, ("t32_e8_k4_all_slots_one_expert",)),
+]
+
+
+def test_every_red_team_backend_is_listed() -> None:
+    """No broken or correct red-team backend is left out of the self-tests."""
+    assert {b for b, _, _ in DENSE_CAUGHT} == set(D.BROKEN)
+    assert {b for b, _ in DENSE_ACCEPTED} <= set(DOK.CORRECT)
+    assert {b for b, _, _ in MOE_CAUGHT} == set(M.BROKEN)
+    assert {b for b, _ in MOE_ACCEPTED} <= set(MOK.CORRECT)
+
+
+@pytest.mark.parametrize("mutant,case_id,check", DENSE_CAUGHT, ids=lambda v: getattr(v, "__name__", None))
+def test_dense_red_team_mutant_is_caught(mutant, case_id: str, check: str) -> None:
+    failures = failing_checks(mutant(), DENSE[case_id])
+    assert check in failures, f"{mutant.__name__} on {case_id}: {check} did not fire; failures: {failures}"
+
+
+@pytest.mark.parametrize("variant,case_ids", DENSE_ACCEPTED, ids=lambda v: getattr(v, "__name__", None))
+def test_dense_red_team_variant_is_accepted(variant, case_ids: tuple[str, ...]) -> None:
+    for case_id in case_ids:
+        failures = failing_checks(variant(), DENSE[case_id])
+        assert not failures, f"{variant.__name__} on {case_id}: {failures}"
+
+
+def test_double_rounding_within_the_bound_is_flagged_by_the_strict_checks_only() -> None:
+    """alpha applied to the activations in BF16: correct under the error bound (every non-strict check passes, also
+    with AWQ and a bias), but a second rounding, which only the strict single-rounding checks reject (docs/dense.md:
+    an expectation file may accept them for such a backend)."""
+    variant = DOK.AlphaOnActivationsBf16()
+    assert not failing_checks(variant, DENSE["cpu-awq-bias-3d"])
+    flagged = failing_checks(variant, DENSE[STRICT_1P5])
+    assert "check_correctly_rounded" in flagged and set(flagged) <= set(STRICT_CHECKS), flagged
+
+
+@pytest.mark.parametrize("mutant,case_id,check", MOE_CAUGHT, ids=lambda v: getattr(v, "__name__", None))
+def test_moe_red_team_mutant_is_caught(mutant, case_id: str, check: str) -> None:
+    failures = failing_moe_checks(mutant(), MOE[case_id])
+    assert check in failures, f"{mutant.__name__} on {case_id}: [{check}] did not fire; failures: {failures}"
+
+
+@pytest.mark.parametrize("variant,case_ids", MOE_ACCEPTED, ids=lambda v: getattr(v, "__name__", None))
+def test_moe_red_team_variant_is_accepted(variant, case_ids: tuple[str, ...]) -> None:
+    for case_id in case_ids:
+        failures = failing_moe_checks(variant(), MOE[case_id])
+        assert not failures, f"{variant.__name__} on {case_id}: {failures}"
