@@ -72,8 +72,8 @@ from reference_impl.moe import (
     oai_params,
 )
 
-from .bounds import U_ACCUM as U_ACC  # one fp32 ulp per addition (tensor cores truncate)
-from .bounds import U_BF16, ErrorFigures, error_figures  # noqa: F401 - re-exported for the MoE checks
+from conformance.bounds import U_ACCUM as U_ACC  # one fp32 ulp per addition (tensor cores truncate)
+from conformance.bounds import U_BF16, ErrorFigures, error_figures  # noqa: F401 - re-exported for the MoE checks
 
 L_SILU = 1.1
 L_GELU = 1.13

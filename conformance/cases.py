@@ -14,7 +14,7 @@ from typing import Any, Protocol, TypeVar
 
 import pytest
 
-from .tiers import TIERS, stricter_tier
+from conformance.tiers import TIERS, stricter_tier
 
 
 @dataclass(frozen=True)

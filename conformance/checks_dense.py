@@ -20,8 +20,8 @@ import torch
 from reference_impl.dense import dense_alpha, w4a16_linear_exact
 from reference_impl.nvfp4 import E2M1_MAGNITUDES
 
-from .adapter import Backend, DenseLayer
-from .bounds import (
+from conformance.adapter import Backend, DenseLayer
+from conformance.bounds import (
     FLASHINFER_MAX_REL_L2,
     FLASHINFER_MIN_COSINE,
     U_BF16,
@@ -29,7 +29,7 @@ from .bounds import (
     dense_error_bound,
     error_figures,
 )
-from .bounds_rounding import (
+from conformance.bounds_rounding import (
     MIN_DECIDABLE_ELEMENTS,
     MIN_STATISTIC_ELEMENTS,
     RoundingFigures,
@@ -38,7 +38,7 @@ from .bounds_rounding import (
     round_to_bf16_exact,
     rounding_figures,
 )
-from .dense_cases import DenseCase, build_activations, build_layer
+from conformance.dense_cases import DenseCase, build_activations, build_layer
 
 DETERMINISM_REPEATS = 3
 

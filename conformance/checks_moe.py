@@ -17,10 +17,10 @@ import torch
 
 from reference_impl.moe import fused_moe_exact
 
-from .adapter import Backend, MoEExperts
-from .bounds import FLASHINFER_MAX_REL_L2, FLASHINFER_MIN_COSINE
-from .bounds_moe import ErrorFigures, MoEBound, error_figures, moe_error_bound
-from .moe_cases import MoECase, build_global_experts, build_inputs, rank_slice
+from conformance.adapter import Backend, MoEExperts
+from conformance.bounds import FLASHINFER_MAX_REL_L2, FLASHINFER_MIN_COSINE
+from conformance.bounds_moe import ErrorFigures, MoEBound, error_figures, moe_error_bound
+from conformance.moe_cases import MoECase, build_global_experts, build_inputs, rank_slice
 
 DETERMINISM_REPEATS = 3
 #: Multiplier applied to checkpoint input scales by :func:`check_moe_input_scales_ignored`.

@@ -22,9 +22,9 @@ from reference_impl.nvfp4 import (
     quantize_modelopt,
 )
 
-from .adapter import CaseInfo, DenseLayer
-from .cases import WithinBound
-from .tiers import device_for_tier
+from conformance.adapter import CaseInfo, DenseLayer
+from conformance.cases import WithinBound
+from conformance.tiers import device_for_tier
 
 WeightKind = Literal[
     "gaussian", "zero_blocks", "e4m3_max", "e4m3_subnormal", "pow2_alpha", "pow2_alpha_nonneg", "three_pow2_alpha",

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .format_inputs import ADVERSARIAL_FAMILIES
-from .format_oracles import E2M1_VALUES, E4M3_VALUES, FLT_MAX
+from conformance.format_inputs import ADVERSARIAL_FAMILIES
+from conformance.format_oracles import E2M1_VALUES, E4M3_VALUES, FLT_MAX
 
 E4M3_NAN_BYTES = (0x7F, 0xFF)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .format_oracles import E2M1_VALUES, E4M3_VALUES, FLT_MAX
+from conformance.format_oracles import E2M1_VALUES, E4M3_VALUES, FLT_MAX
 
 
 

@@ -11,11 +11,11 @@ import torch
 
 from reference_impl.dense import w4a16_linear_exact
 
-from .adapter import Backend, DenseLayer
-from .bounds import ErrorFigures, dense_error_bound, error_figures
-from .cases import case_for_backend
-from .dense_cases import DenseCase, build_activations, build_layer
-from .snapshots import load_snapshot, snapshot_root, tensors_sha256
+from conformance.adapter import Backend, DenseLayer
+from conformance.bounds import ErrorFigures, dense_error_bound, error_figures
+from conformance.cases import case_for_backend
+from conformance.dense_cases import DenseCase, build_activations, build_layer
+from conformance.snapshots import load_snapshot, snapshot_root, tensors_sha256
 
 #: Dense cases with a stored golden output (``tests/test_dense_snapshots.py`` writes them).
 CANONICAL = ("cpu-k48-mult16-not64", "cpu-fused-qkv-3-scales", "cpu-awq-bias-3d")

@@ -30,9 +30,9 @@ from reference_impl.moe import is_gated
 from reference_impl.nvfp4 import E2M1_MAX, E4M3_MAX, quantize_modelopt
 from reference_impl.routing import route_all_to_one, sigmoid_topk_with_bias, softmax_topk
 
-from .adapter import CaseInfo, MoEExperts
-from .cases import WithinBound
-from .tiers import device_for_tier
+from conformance.adapter import CaseInfo, MoEExperts
+from conformance.cases import WithinBound
+from conformance.tiers import device_for_tier
 
 Routing = Literal[
     "softmax_renorm", "softmax", "sigmoid_bias", "all_to_one", "empty_experts",

@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from .adapter import Backend, CaseInfo, DenseLayer, MoEExperts
-from .dense_cases import LLM_SHAPES
+from conformance.adapter import Backend, CaseInfo, DenseLayer, MoEExperts
+from conformance.dense_cases import LLM_SHAPES
 
 WARMUP = 3
 REPEATS = 10

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .tiers import TIERS
+from conformance.tiers import TIERS
 
 # ------------------------------------------------------------------------------------- areas
 #: Test-file stem (without ``test_``) -> capability area, in the order the table lists areas.
@@ -342,7 +342,7 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
 
 def _perf_section(tests: Iterable[Mapping[str, Any]]) -> list[str]:
     """The perf tier's table (tests that recorded a ``perf`` property; see :mod:`conformance.perf`)."""
-    from .perf import TABLE_HEADER, table_cells
+    from conformance.perf import TABLE_HEADER, table_cells
 
     rows = [t["properties"]["perf"] for t in tests if isinstance(t.get("properties", {}).get("perf"), Mapping)]
     if not rows:

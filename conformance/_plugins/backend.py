@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from ..adapter import Backend
-from ..backends import BACKEND_ENV_VAR, BackendLoadError, backend_spec_from_env, load_backends
+from conformance.adapter import Backend
+from conformance.backends import BACKEND_ENV_VAR, BackendLoadError, backend_spec_from_env, load_backends
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import pytest
 
-from ..engines import EngineLoadError, EngineUnavailable, engine_spec, load_engine
-from ..engines.matrix import DEFAULT_PROFILE, RuleCase, check_case, load_profile, profile_names
+from conformance.engines import EngineLoadError, EngineUnavailable, engine_spec, load_engine
+from conformance.engines.matrix import DEFAULT_PROFILE, RuleCase, check_case, load_profile, profile_names
 
 PROFILE_ENV_VAR = "NVFP4_RULES_PROFILE"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ..engine_harness import ENGINE_ENV_VAR, EngineLoadError, load_engine_adapter
+from conformance.engine_harness import ENGINE_ENV_VAR, EngineLoadError, load_engine_adapter
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -124,7 +124,7 @@ _rows: list[dict[str, Any]] = []  # the controller's rows (logreport hooks get n
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
     if not _rows:
         return
-    from ..perf import TABLE_HEADER, table_cells
+    from conformance.perf import TABLE_HEADER, table_cells
 
     tr = terminalreporter
     tr.section("nvfp4 perf tier")

@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 import torch
 
-from .. import __version__, reporting
-from ..backends import backend_spec_from_env, load_backends
-from ..reporting import Artifacts, TestRecord, area_of, gate_failures, render_markdown
-from ..tiers import TIERS, b200_emulated, detect_hardware, tier_skip_reason
+from conformance import __version__, reporting
+from conformance.backends import backend_spec_from_env, load_backends
+from conformance.reporting import Artifacts, TestRecord, area_of, gate_failures, render_markdown
+from conformance.tiers import TIERS, b200_emulated, detect_hardware, tier_skip_reason
 
 _ARTIFACTS_KEY = pytest.StashKey[Artifacts]()
 _STATE_KEY = pytest.StashKey["_RunState"]()

@@ -17,11 +17,11 @@ import os
 
 import pytest
 
-from ..server.configs import ServerConfig, parse_configs, reference_configs
-from ..server.launcher import REFERENCE_TEMPLATE, ServerProcess, ServerStartError
-from ..server.dialects import DIALECTS, ServerDialect, make_dialect
-from ..server.models import DEFAULT_MODELS, ModelCatalog, ModelError, ServedModel, remove_work_dir, work_dir
-from ..server.scenarios import SCENARIOS, Scenario, fresh_outputs, run_scenario
+from conformance.server.configs import ServerConfig, parse_configs, reference_configs
+from conformance.server.launcher import REFERENCE_TEMPLATE, ServerProcess, ServerStartError
+from conformance.server.dialects import DIALECTS, ServerDialect, make_dialect
+from conformance.server.models import DEFAULT_MODELS, ModelCatalog, ModelError, ServedModel, remove_work_dir, work_dir
+from conformance.server.scenarios import SCENARIOS, Scenario, fresh_outputs, run_scenario
 
 ATTACHED = ServerConfig(1, device="attached", tier="cpu")
 SERVER_API_ENV = "NVFP4_CONFORMANCE_SERVER_API"
@@ -114,7 +114,7 @@ def _configs(config: pytest.Config) -> list[ServerConfig]:
         return parse_configs("tp1")
     gpus = config.getoption("--server-gpus")
     if gpus is None:
-        from ..tiers import detect_hardware
+        from conformance.tiers import detect_hardware
 
         gpus = len(detect_hardware().gpus)
     return reference_configs(gpus)

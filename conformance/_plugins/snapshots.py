@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ..snapshots import TensorSnapshotExtension
+from conformance.snapshots import TensorSnapshotExtension
 
 
 @pytest.fixture

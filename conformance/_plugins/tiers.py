@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from ..tiers import (
+from conformance.tiers import (
     TIER_DESCRIPTIONS,
     NoTierOffersBoth,
     TIERS,

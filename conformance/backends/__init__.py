@@ -7,7 +7,7 @@ import importlib
 import os
 from collections.abc import Iterable
 
-from ..adapter import Backend
+from conformance.adapter import Backend
 
 BACKEND_ENV_VAR = "NVFP4_CONFORMANCE_BACKEND"
 DEFAULT_BACKEND = "reference,flashinfer"

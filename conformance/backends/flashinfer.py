@@ -31,8 +31,8 @@ import torch
 from reference_impl.dense import dense_alpha
 from reference_impl.nvfp4 import swizzle_128x4
 
-from ..adapter import Backend, CaseInfo, DenseLayer, MoEExperts
-from .flashinfer_platform import FlashInferPlatform, cudnn_skip_reason, current_platform
+from conformance.adapter import Backend, CaseInfo, DenseLayer, MoEExperts
+from conformance.backends.flashinfer_platform import FlashInferPlatform, cudnn_skip_reason, current_platform
 
 #: The first FlashInfer release with ``prepare_bf16_fp4_weights`` / ``mm_bf16_fp4``.
 REQUIRED_VERSION = "0.6.18"
@@ -211,7 +211,7 @@ class FlashInferBackend(Backend):
 
 def _moe_module() -> ModuleType:
     try:
-        from . import flashinfer_moe
+        from conformance.backends import flashinfer_moe
     except ImportError as exc:
         raise NotImplementedError(
             f"FlashInfer W4A16 MoE adapter (conformance/backends/flashinfer_moe.py) is not available: {exc}"

@@ -39,8 +39,8 @@ import torch
 
 from reference_impl.nvfp4 import W13_CHUNK_ROWS, swizzle_128x4, swizzled_shape, to_cutedsl_w13, unswizzle_128x4
 
-from ..adapter import CaseInfo, MoEExperts
-from .flashinfer_platform import FlashInferPlatform, current_platform
+from conformance.adapter import CaseInfo, MoEExperts
+from conformance.backends.flashinfer_platform import FlashInferPlatform, current_platform
 
 SUPPORTED_CAPABILITIES = ((10, 0), (10, 3), (10, 7))
 _ACTIVATION_TYPE_NAMES = {"swiglu": "Swiglu", "swiglu_oai": "Swiglu", "geglu": "GegluTanh", "relu2": "Relu2"}

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..tiers import Gpu, b200_emulated
+from conformance.tiers import Gpu, b200_emulated
 
 #: FlashInfer 0.7.4's minimum cuDNN backend version for BF16 x FP4 (used when the installed FlashInfer
 #: does not expose ``gemm_bf16_fp4._CUDNN_BF16_FP4_MIN_BACKEND_VERSION``).
@@ -104,7 +104,7 @@ class InstalledFlashInfer(FlashInferPlatform):
     """The installed FlashInfer on this machine's CUDA GPUs."""
 
     def load(self) -> tuple[Any, str | None]:
-        from .flashinfer import load_flashinfer
+        from conformance.backends.flashinfer import load_flashinfer
 
         return load_flashinfer()
 

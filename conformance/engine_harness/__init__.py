@@ -23,7 +23,7 @@ def load_engine_adapter(spec: str | None = None):
     """Resolve ``spec`` (a built-in name or ``module:attr``; default ``$NVFP4_HARNESS_ENGINE`` or sglang) to
     an :class:`~conformance.engine_harness.core.EngineAdapter` instance. Importing the adapter module must
     not import the engine (the adapter's ``skip_reason`` reports a missing engine)."""
-    from .core import EngineAdapter
+    from conformance.engine_harness.core import EngineAdapter
 
     spec = spec or os.environ.get(ENGINE_ENV_VAR) or DEFAULT_ENGINE
     target = BUILTIN_ENGINES.get(spec, spec)

@@ -32,9 +32,9 @@ import torch
 
 from reference_impl.nvfp4 import quantize_kernel
 
-from .cases import EngineMoECase, build_moe_checkpoint, build_moe_inputs
-from .checks import check_output_within_bound, moe_reference
-from .core import EngineRun, recording_module_tree
+from conformance.engine_harness.cases import EngineMoECase, build_moe_checkpoint, build_moe_inputs
+from conformance.engine_harness.checks import check_output_within_bound, moe_reference
+from conformance.engine_harness.core import EngineRun, recording_module_tree
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def w4a4_expected_activations(case: EngineMoECase, x: torch.Tensor) -> tuple[tor
 
 
 def _sglang_runner():
-    from .sglang_a2a import flashinfer_a2a_prefill
+    from conformance.engine_harness.sglang_a2a import flashinfer_a2a_prefill
 
     return flashinfer_a2a_prefill
 

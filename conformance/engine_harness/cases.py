@@ -15,8 +15,8 @@ import torch
 
 from reference_impl.nvfp4 import E2M1_MAX, E4M3_MAX, quantize_modelopt
 
-from ..dense_cases import DenseCase
-from .core import MoECheckpoint, Mode
+from conformance.dense_cases import DenseCase
+from conformance.engine_harness.core import MoECheckpoint, Mode
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,9 @@ import torch
 from reference_impl.dense import w4a16_linear_exact
 from reference_impl.nvfp4 import BLOCK_SIZE, e2m1_decode, e4m3_decode, quantize_kernel, unpack_nibbles
 
-from ..adapter import DenseLayer
-from ..bounds import dense_error_bound, error_figures
-from .core import EngineRun, MoECheckpoint
+from conformance.adapter import DenseLayer
+from conformance.bounds import dense_error_bound, error_figures
+from conformance.engine_harness.core import EngineRun, MoECheckpoint
 
 
 def w4a4_quantized_activations(x: torch.Tensor, ckpt: DenseLayer) -> torch.Tensor:
@@ -45,7 +45,7 @@ def dense_reference(ckpt: DenseLayer, x: torch.Tensor, mode: str) -> tuple[torch
 
 
 def moe_reference(ckpt: MoECheckpoint, x, topk_ids, topk_weights) -> tuple[torch.Tensor, torch.Tensor]:
-    from ..bounds_moe import moe_error_bound
+    from conformance.bounds_moe import moe_error_bound
 
     b = moe_error_bound(x, topk_ids, topk_weights, ckpt.local_experts())
     return b.exact, b.bound
@@ -100,9 +100,9 @@ def failing_checks(adapter, case, platform=None) -> dict[str, str]:
     ``platform`` (a :class:`~conformance.backends.flashinfer_platform.FlashInferPlatform`) selects the ``b200``
     variant: the engine's layer code calls that platform's FlashInfer (the real kernels on a B200, the emulator
     under ``--flashinfer-emulated``) on the ``b200`` tier's device. ``None``: the emulator on the CPU."""
-    from ..dense_cases import build_activations, build_layer
-    from .cases import EngineDenseCase, build_moe_checkpoint, build_moe_inputs
-    from .core import run_scenario
+    from conformance.dense_cases import build_activations, build_layer
+    from conformance.engine_harness.cases import EngineDenseCase, build_moe_checkpoint, build_moe_inputs
+    from conformance.engine_harness.core import run_scenario
 
     if isinstance(case, EngineDenseCase):
         ckpt, x = build_layer(case.dense, "cpu"), build_activations(case.dense, "cpu")
@@ -115,7 +115,7 @@ def failing_checks(adapter, case, platform=None) -> dict[str, str]:
         reference = lambda: moe_reference(ckpt, x, ids, wts)  # noqa: E731
     where = {}
     if platform is not None:
-        from ..tiers import device_for_tier
+        from conformance.tiers import device_for_tier
 
         where = dict(modules=platform.module_tree(), device=device_for_tier("b200"))
     try:

@@ -14,8 +14,8 @@ from typing import Any, Literal
 
 import torch
 
-from ..adapter import DenseLayer, MoEExperts
-from .standin import StandIn
+from conformance.adapter import DenseLayer, MoEExperts
+from conformance.engine_harness.standin import StandIn
 
 Mode = Literal["w4a16", "w4a4"]
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from .a2a_prefill import PrefillObservation, recording_modules
-from .core import MoECheckpoint, Mode
-from .standin import AttrPatch
+from conformance.engine_harness.a2a_prefill import PrefillObservation, recording_modules
+from conformance.engine_harness.core import MoECheckpoint, Mode
+from conformance.engine_harness.standin import AttrPatch
 
 
 def flashinfer_a2a_prefill(adapter, ckpt: MoECheckpoint, mode: Mode, x: torch.Tensor, topk_ids: torch.Tensor,

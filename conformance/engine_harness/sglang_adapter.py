@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from ..adapter import DenseLayer
-from .core import EngineAdapter, MoECheckpoint, Mode
-from .standin import AttrPatch, StandIn
+from conformance.adapter import DenseLayer
+from conformance.engine_harness.core import EngineAdapter, MoECheckpoint, Mode
+from conformance.engine_harness.standin import AttrPatch, StandIn
 
 W4A16_ENV = "SGLANG_FLASHINFER_CUTEDSL_NVFP4_W4A16"
 TESTED_VERSION = "0.5.23"
@@ -140,7 +140,7 @@ class SGLangAdapter(EngineAdapter):
     def skip_reason(self) -> str | None:
         try:
             # The suite's CPU import helper (a torchvision placeholder: PyPI torchvision needs CUDA torch).
-            from ..engines._sglang_import import import_sglang_module
+            from conformance.engines._sglang_import import import_sglang_module
 
             import_sglang_module("sglang.srt.layers.quantization.modelopt_quant")
             import_sglang_module("sglang.srt.layers.moe.fused_moe_triton.layer")

@@ -8,8 +8,8 @@ from __future__ import annotations
 import importlib
 import os
 
-from ..engine import RulesEngine
-from ._sglang_import import SglangUnavailable
+from conformance.engine import RulesEngine
+from conformance.engines._sglang_import import SglangUnavailable
 
 ENGINE_ENV_VAR = "NVFP4_CONFORMANCE_ENGINE"
 DEFAULT_ENGINE = "reference"

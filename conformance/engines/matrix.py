@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..engine import RulesEngine
+from conformance.engine import RulesEngine
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "config_rules"
 PROFILES_DIR = FIXTURES / "profiles"

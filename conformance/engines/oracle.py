@@ -16,8 +16,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine import RulesEngine
-from .matrix import FIXTURES, RuleCase, load_matrix, load_profile, outcome_mismatch, run_case, shown
+from conformance.engine import RulesEngine
+from conformance.engines.matrix import FIXTURES, RuleCase, load_matrix, load_profile, outcome_mismatch, run_case, shown
 
 ORACLE_FILE = FIXTURES / "upstream_expectations.json"
 AGREE, DISAGREE, NOT_APPLICABLE = "agree", "disagree", "n/a"

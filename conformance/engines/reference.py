@@ -10,7 +10,7 @@ from reference_impl import config_rules as R
 from reference_impl import lm_head as L
 from reference_impl import reload as RL
 
-from ..engine import Inputs, RulesEngine
+from conformance.engine import Inputs, RulesEngine
 
 
 def _unwrap_early(fn, *args, **kwargs):

@@ -34,10 +34,10 @@ from typing import Any
 
 import torch
 
-from ..engine import Inputs, RulesEngine
-from . import _source
-from ._sglang_import import SglangUnavailable, import_sglang_module, sglang_version
-from .sglang_paths import SglangPathRules
+from conformance.engine import Inputs, RulesEngine
+from conformance.engines import _source
+from conformance.engines._sglang_import import SglangUnavailable, import_sglang_module, sglang_version
+from conformance.engines.sglang_paths import SglangPathRules
 
 _ENV_NAMES = {"w4a16": "SGLANG_FLASHINFER_CUTEDSL_NVFP4_W4A16", "nvfp4_dispatch": "SGLANG_MOE_NVFP4_DISPATCH"}
 _CAPABILITY = {"sm100": (10, 0), "sm90": (9, 0), "sm120": (12, 0), "sm121": (12, 1), "cpu": (0, 0)}

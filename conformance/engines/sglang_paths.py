@@ -28,9 +28,9 @@ from unittest import mock
 
 import torch
 
-from ..engine import Inputs
-from . import _source
-from ._sglang_import import import_sglang_module
+from conformance.engine import Inputs
+from conformance.engines import _source
+from conformance.engines._sglang_import import import_sglang_module
 
 _ns = types.SimpleNamespace
 _PER_TOKEN_ENV = "SGLANG_FLASHINFER_NVFP4_PER_TOKEN_ACTIVATION"

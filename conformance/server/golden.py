@@ -32,9 +32,9 @@ from pathlib import Path
 
 import torch
 
-from ..snapshots import Approx, deserialize_entries, snapshot_root
-from .bounds import golden_bound
-from .client import Generation
+from conformance.snapshots import Approx, deserialize_entries, snapshot_root
+from conformance.server.bounds import golden_bound
+from conformance.server.client import Generation
 
 PROMPTS = ("the city of water", "a new river and the old stone tree", "music of the sea and the moon",
            "people of the north")

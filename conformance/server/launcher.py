@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .dialects import DIALECTS, make_dialect
+from conformance.server.dialects import DIALECTS, make_dialect
 
 REFERENCE_TEMPLATE = ("{python} -m reference_impl.server --model-path {model_path} --tokenizer-path {tokenizer_path} "
                       "--port {port} --tp {tp} --dp {dp} --ep {ep} --device {device}")

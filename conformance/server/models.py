@@ -19,8 +19,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from .derive import derive_corrupt, derive_different_weights
-from .golden import MAX_NEW_TOKENS, PROMPTS, GoldenTruth, label_of, load_fixture_golden
+from conformance.server.derive import derive_corrupt, derive_different_weights
+from conformance.server.golden import MAX_NEW_TOKENS, PROMPTS, GoldenTruth, label_of, load_fixture_golden
 
 DEFAULT_MODELS = ("dense-nvfp4_awq", "moe-w4a16_nvfp4")
 WORK_DIR_ENV = "NVFP4_SERVER_WORK_DIR"
@@ -231,7 +231,7 @@ class ModelCatalog:
         from conformance.snapshots import deserialize_entries, serialize_entries
         from reference_impl.golden import ExactModel
 
-        from .golden import golden_entries, golden_from_entries
+        from conformance.server.golden import golden_entries, golden_from_entries
 
         path = model.path(weight_set)
         cache = work_dir() / model.name / f"golden-{weight_set}.json"

@@ -20,12 +20,12 @@ from typing import Callable
 
 import pytest
 
-from .bounds import RELOAD_LOGPROB_TOL, tp_logprob_bound
-from .client import Deadline, Generation
-from .derive import verify_corrupt
-from .dialects import ServerDialect, SamplingSpec
-from .golden import GREEDY, PROMPTS, GoldenResult, GoldenTruth, compare_sampled_with_reference, compare_with_golden
-from .models import ServedModel
+from conformance.server.bounds import RELOAD_LOGPROB_TOL, tp_logprob_bound
+from conformance.server.client import Deadline, Generation
+from conformance.server.derive import verify_corrupt
+from conformance.server.dialects import ServerDialect, SamplingSpec
+from conformance.server.golden import GREEDY, PROMPTS, GoldenResult, GoldenTruth, compare_sampled_with_reference, compare_with_golden
+from conformance.server.models import ServedModel
 
 
 GREEDY_SPEC = SamplingSpec(GREEDY["max_new_tokens"], GREEDY["temperature"], ignore_eos=GREEDY["ignore_eos"])
