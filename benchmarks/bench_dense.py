@@ -1,6 +1,6 @@
 """The reference W4A16 dense layer against a plain BF16 ``torch.matmul`` of the same shape, per LLM shape and
 token count, measured in one run (CUDA events, warm-up, median of repeats, L2 flushed before each timed
-call: :mod:`conformance.perf`). Prints a table.
+call: :mod:`conformance.perf.measure`). Prints a table.
 
     python benchmarks/bench_dense.py                 # LLM shapes, M = 1 16 256 4096, on CUDA
     python benchmarks/bench_dense.py --tiny          # small shapes (runs on CPU: a smoke test)
@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from conformance import perf  # noqa: E402
+from conformance.perf import measure as perf  # noqa: E402
 from conformance.backends.reference import ReferenceBackend  # noqa: E402
 from reference_impl.dense import w4a16_linear_exact  # noqa: E402
 

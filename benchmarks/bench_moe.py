@@ -1,7 +1,7 @@
 """The reference W4A16 fused MoE against a BF16 MoE on the same routing (``torch._grouped_mm`` grouped GEMMs,
 SwiGLU, weighted combine; a per-expert ``torch.mm`` loop where the build lacks ``_grouped_mm``), per expert
 shape and token count, measured in one run (CUDA events, warm-up, median of repeats, L2 flushed before each
-timed call: :mod:`conformance.perf`). Prints a table.
+timed call: :mod:`conformance.perf.measure`). Prints a table.
 
     python benchmarks/bench_moe.py            # Mixtral-like (8 x 4096x14336, top-2) and DeepSeek-like
                                               # (256 x 7168x2048, top-8) at T = 1 16 256 4096, on CUDA
@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_dense import _mib, peak_extra_bytes, wall  # noqa: E402
-from conformance import perf  # noqa: E402
+from conformance.perf import measure as perf  # noqa: E402
 from conformance.backends.reference import ReferenceBackend  # noqa: E402
 
 

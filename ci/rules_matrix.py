@@ -19,10 +19,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from conformance.engines import EngineUnavailable, engine_spec, load_engine  # noqa: E402
-from conformance.engines.matrix import (DEFAULT_PROFILE, MATRICES, load_matrix, load_profile,  # noqa: E402
+from conformance.rules import EngineUnavailable, engine_spec, load_engine  # noqa: E402
+from conformance.rules.matrix import (DEFAULT_PROFILE, MATRICES, load_matrix, load_profile,  # noqa: E402
                                         mismatch, run_case)
-from conformance.engines.oracle import AGREE, DISAGREE, NOT_APPLICABLE, tally  # noqa: E402
+from conformance.rules.oracle import AGREE, DISAGREE, NOT_APPLICABLE, tally  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

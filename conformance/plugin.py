@@ -2,13 +2,13 @@
 installed as a package, load it with ``pytest -p conformance.plugin``."""
 
 pytest_plugins = [
-    "conformance._plugins.tiers",
-    "conformance._plugins.backend",
-    "conformance._plugins.engine",
-    "conformance._plugins.snapshots",
-    "conformance._plugins.expectations",
-    "conformance._plugins.report",
-    "conformance._plugins.harness",
-    "conformance._plugins.server",
-    "conformance._plugins.perf",
+    "conformance._framework.tier_markers",
+    "conformance._framework.backend_option",
+    "conformance.rules.plugin",
+    "conformance._framework.snapshot_fixture",
+    "conformance._framework.expectations",
+    "conformance._framework.report_files",
+    "conformance.engine_harness.plugin",
+    "conformance.server.plugin",
+    "conformance.perf.plugin",
 ]

@@ -18,7 +18,7 @@ How the reference evaluates it (the "BF16-dequant reference", :func:`prepare_w4a
   (CPU torch, older CUDA torch) the fallback is an fp32 ``addmm`` on the exactly upcast weight: the same
   arithmetic at fp32 FMA speed (small layers keep the upcast; large ones upcast one row chunk at a time).
   Folding alpha and bias into the GEMM epilogue rounds at most as often as a separate multiply and add,
-  which the bound counts (``conformance/bounds.py``, term 2: ``K + 2`` roundings).
+  which the bound counts (``conformance/dense/bounds.py``, term 2: ``K + 2`` roundings).
 * AWQ: ``x' = x * pre_quant_scale`` is formed exactly in fp32 (bf16 x bf16 = 16 significant bits), as
   SPEC section 2 defines it. A bf16 GEMM cannot take 16-bit operands, so ``x'`` is split exactly into
   ``hi + lo`` (``hi = bf16(x')``, ``lo = x' - hi``: a 16-bit value minus its 8-bit rounding has at most 8
@@ -26,7 +26,7 @@ How the reference evaluates it (the "BF16-dequant reference", :func:`prepare_w4a
   output (a second ``addmm`` with ``beta = 1``). That is a fp32 sum of ``2K`` exact products: its error is
   at most ``gamma_{2K+2} (1 + 2^-7) A``, inside the dense bound's ``gamma_{K+2} A + 2 * 2^-8 A`` (its
   accumulation, AWQ and weight-rounding terms; this path rounds neither x' nor W) for every K up to 2^15
-  (``conformance/bounds.py``).
+  (``conformance/dense/bounds.py``).
 * One rounding to the output dtype at the end.
 
 Measured on an H200 (``benchmarks/bench_dense.py``): 0.93x-1.09x of a BF16 ``torch.matmul`` of the same

@@ -18,7 +18,7 @@ activation in fp32 and stores the intermediate as **bf16** (its ``intermediate``
 GEMM2 reads. The fp32 reference therefore rounds the intermediate to bf16 too, so it runs GEMM2 on the
 same kind of input as the kernel. The kernel also rounds each expert's output row to bf16 before the
 weighted combine; the reference does not (it keeps fp32 until the final bf16 cast) -- the error bound
-(``conformance/bounds_moe.py``) covers both. ``accum_dtype=torch.float64`` gives the exact value of the
+(``conformance/moe/bounds.py``) covers both. ``accum_dtype=torch.float64`` gives the exact value of the
 dequantized model (fp64, no intermediate rounding): the value error bounds are measured from.
 
 Evaluation: with fp32 accumulation (the default) the experts run as bf16 grouped GEMMs with fp32
@@ -46,7 +46,7 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
 class NVFP4Experts(Protocol):
-    """What the reference reads from a MoE layer (``conformance.adapter.MoEExperts`` has it all)."""
+    """What the reference reads from a MoE layer (``conformance.interfaces.kernel.MoEExperts`` has it all)."""
 
     w13: torch.Tensor
     w13_scale: torch.Tensor

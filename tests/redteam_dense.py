@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from conformance.adapter import Backend, DenseLayer
+from conformance.interfaces.kernel import Backend, DenseLayer
 
 _E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 FP16_MAX = 65504.0

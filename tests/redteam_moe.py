@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from conformance.adapter import Backend, MoEExperts
+from conformance.interfaces.kernel import Backend, MoEExperts
 
 from .redteam_dense import block_scales, decode_codes
 

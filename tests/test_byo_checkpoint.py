@@ -43,7 +43,7 @@ def _read_only(root: Path, on: bool) -> None:
 def _run_suite(tmp: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NVFP4_SERVER_WORK_DIR", "PYTEST_XDIST", "NVFP4_CONFORMANCE_SERVER_API"))}
     env["TMPDIR"] = str(tmp)  # the suite's own temporary files go here: checked for leftovers
-    cmd = [sys.executable, "-m", "pytest", "conformance/test_server_scenarios.py", "-p", "no:cacheprovider", "-q",
+    cmd = [sys.executable, "-m", "pytest", "conformance/server/test_server_scenarios.py", "-p", "no:cacheprovider", "-q",
            "-rs", "--server-configs", "cpu-tp1", *args]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 

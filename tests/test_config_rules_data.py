@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance.engines.matrix import MATRICES, load_matrix, load_profile, profile_names
+from conformance.rules.matrix import MATRICES, load_matrix, load_profile, profile_names
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from conformance.checks_dense import (
+from conformance.dense.checks import (
     NAMED_CHECKS,
     check_within_error_bound_figures,
     failing_checks,
     run_dense_case,
     single_rounding_figures,
 )
-from conformance.dense_cases import CPU_CASES
+from conformance.dense.cases import CPU_CASES
 from tests.mutants.dense import MUTANTS, VARIANTS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,7 +71,7 @@ def test_correct_variant_is_accepted(variant, record_property):
 
 
 def test_backend_option_runs_a_mutant_end_to_end():
-    cmd = [sys.executable, "-m", "pytest", "conformance/test_dense.py", "-m", "cpu", "-q", "-x",
+    cmd = [sys.executable, "-m", "pytest", "conformance/dense/test_dense.py", "-m", "cpu", "-q", "-x",
            "-p", "no:cacheprovider", "--backend", "tests.mutants.dense:NibbleSwapped"]
     env = {k: v for k, v in os.environ.items() if k != "NVFP4_CONFORMANCE_BACKEND"}
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)

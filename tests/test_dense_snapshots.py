@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from conformance.bounds import U_FP32, gamma
-from conformance.dense_cases import CPU_CASES, build_activations, build_layer
-from conformance.snapshots import Approx
-from conformance.golden import CANONICAL, inputs_sha256
+from conformance.dense.bounds import U_FP32, gamma
+from conformance.dense.cases import CPU_CASES, build_activations, build_layer
+from conformance._framework.snapshots import Approx
+from conformance.dense.golden import CANONICAL, inputs_sha256
 from reference_impl.dense import w4a16_linear, w4a16_linear_exact
 
 
@@ -37,10 +37,10 @@ def test_dense_reference_golden(case, golden):
 
 # ----------------------------------------------------------------------------------------- golden check can fail
 def test_golden_check_accepts_the_reference_and_rejects_a_mutant():
-    """conformance/test_dense_golden.py's check: the reference backend is within the bound of the stored values,
+    """conformance/dense/test_dense_golden.py's check: the reference backend is within the bound of the stored values,
     a backend reading the nibbles swapped is not."""
     from conformance.backends.reference import ReferenceBackend
-    from conformance.golden import check_dense_golden
+    from conformance.dense.golden import check_dense_golden
     from tests.mutants.dense import NibbleSwapped
 
     for case in (c for c in CPU_CASES if c.id in CANONICAL):
@@ -56,7 +56,7 @@ def test_golden_check_judges_against_the_stored_file(tmp_path, monkeypatch):
     import shutil
 
     from conformance.backends.reference import ReferenceBackend
-    from conformance.golden import DENSE_GOLDEN_MODULE, check_dense_golden, dense_golden_path
+    from conformance.dense.golden import DENSE_GOLDEN_MODULE, check_dense_golden, dense_golden_path
 
     case = next(c for c in CPU_CASES if c.id == CANONICAL[0])
     shutil.copytree(dense_golden_path(case.id).parent, tmp_path / DENSE_GOLDEN_MODULE)

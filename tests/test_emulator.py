@@ -14,7 +14,7 @@ from conformance.engine_harness.standin import AttrPatch, StandIn
 from reference_impl.dense import w4a16_linear
 from reference_impl.moe import fused_moe_w4a16
 from reference_impl.nvfp4 import from_cutedsl_w13, quantize_modelopt, swizzle_128x4, unswizzle_128x4
-from conformance.adapter import MoEExperts
+from conformance.interfaces.kernel import MoEExperts
 
 SHAPES = [(3, 192, 96), (1, 128, 64), (17, 64, 256)]  # (M, N, K): N below/at/above a 128-row tile
 

@@ -25,8 +25,8 @@ import torch
 import reference_impl.flashinfer_emulator as fe
 from reference_impl.flashinfer_emulator import _moe_compute, gemm
 
-from conformance.adapter import MoEExperts
-from conformance.bounds_moe import error_figures, moe_error_bound
+from conformance.interfaces.kernel import MoEExperts
+from conformance.moe.bounds import error_figures, moe_error_bound
 from tests import flashinfer_references as ref
 
 pytest.importorskip("flashinfer.batch_invariant.quantization.nvfp4_reference",

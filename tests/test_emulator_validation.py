@@ -1,11 +1,11 @@
 """The emulator rejects bad inputs the way FlashInfer 0.7.4 does: each case names the FlashInfer check
 it mirrors (``source``) and the exception type (and message) that check raises. The same cases run
-against the real library on the ``b200`` tier (``conformance/test_emulator_vs_flashinfer.py``)."""
+against the real library on the ``b200`` tier (``conformance/backends/test_emulator_vs_flashinfer.py``)."""
 from __future__ import annotations
 
 import pytest
 
-from conformance.cases import as_params
+from conformance._framework.cases import as_params
 from conformance.engine_harness.emulator_cases import BAD_INPUT_CASES, BadInputCase, emulator_api
 
 

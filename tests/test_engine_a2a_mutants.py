@@ -1,12 +1,12 @@
 """FlashInfer-A2A prefill bugs planted in SGLang 0.5.23 must each be caught by a named check of
-conformance/engine_harness/a2a_prefill.py (the unpatched engine passes: conformance/test_engine_a2a_paths.py).
+conformance/engine_harness/a2a_prefill.py (the unpatched engine passes: conformance/engine_harness/test_engine_a2a_paths.py).
 Skips (with the reason) when SGLang is not importable."""
 from __future__ import annotations
 
 import pytest
 
 from conformance.engine_harness.a2a_prefill import PREFILL_CASES, prefill_failures
-from conformance.engine_harness.sglang_adapter import SGLangAdapter
+from conformance.engine_harness.sglang import SGLangAdapter
 
 _CASES = {c.id: c for c in PREFILL_CASES}
 

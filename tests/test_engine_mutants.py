@@ -1,6 +1,6 @@
 """Engine-side integration bugs, planted by patching SGLang 0.5.23 functions, must each be caught by a
 named check of the engine harness (``conformance/engine_harness/checks.py``). The unpatched engine
-passes the same cases (``conformance/test_engine_integration.py``); here every mutant must fail the
+passes the same cases (``conformance/engine_harness/test_engine_integration.py``); here every mutant must fail the
 check it is listed with. Skips (with the reason) when SGLang is not importable.
 """
 from __future__ import annotations
@@ -11,11 +11,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from conformance.cases import as_params
-from conformance.dense_cases import DenseCase
+from conformance._framework.cases import as_params
+from conformance.dense.cases import DenseCase
 from conformance.engine_harness.cases import DENSE_CASES, MOE_CASES, EngineDenseCase
 from conformance.engine_harness.checks import failing_checks
-from conformance.engine_harness.sglang_adapter import SGLangAdapter
+from conformance.engine_harness.sglang import SGLangAdapter
 
 _CASES = {c.id: c for c in [*DENSE_CASES, *MOE_CASES]}
 # N = 256 and K/16 = 8 fill whole 128x4 tiles: linear scales then have exactly the swizzled byte count, so

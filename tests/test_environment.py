@@ -14,7 +14,7 @@ def test_ml_dtypes_has_the_nvfp4_formats():
 
 
 def test_sglang_layer_code_importable():
-    from conformance.engines._sglang_import import import_sglang_module
+    from conformance.rules._sglang_import import import_sglang_module
 
     for module in (
         "sglang.srt.layers.quantization.modelopt_quant",
@@ -33,7 +33,7 @@ def test_modelopt_quantizer_installed_with_its_cpu_dependencies():
     from importlib.metadata import files, version
     from importlib.util import find_spec
 
-    from conformance.format_oracles import MODELOPT_VERSION
+    from conformance.format.oracles import MODELOPT_VERSION
 
     assert version("nvidia-modelopt") == MODELOPT_VERSION
     assert any(str(f) == "modelopt/torch/quantization/qtensor/nvfp4_tensor.py" for f in files("nvidia-modelopt"))

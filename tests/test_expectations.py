@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance._plugins.expectations import Expectation, ExpectationFileError, in_scope, load_expectations
+from conformance._framework.expectations import Expectation, ExpectationFileError, in_scope, load_expectations
 
 REPO = Path(__file__).resolve().parent.parent
 GATE = REPO / "ci" / "run_conformance.py"
@@ -176,14 +176,14 @@ def test_missing_file_is_an_error(tmp_path):
 
 
 @pytest.mark.parametrize("entry,scopes,expected", [
-    ("conformance/test_dense.py::test_a[x]", [""], True),
-    ("conformance/test_dense.py::test_a[x]", ["conformance"], True),
-    ("conformance/test_dense.py::test_a[x]", ["conformance/test_dense.py"], True),
-    ("conformance/test_dense.py::test_a[x]", ["conformance/test_dense.py::test_a"], True),
-    ("conformance/test_dense.py::test_a[x]", ["conformance/test_moe.py"], False),
-    ("conformance/test_dense.py::test_a[x]", ["conformance/test_dense.py::test_b"], False),
-    ("conformance/test_dense.py::test_a[x]", ["conformance/test_dense.py::test_a[y]"], False),
-    ("conformance/test_densely.py::t", ["conformance/test_dense.py"], False),
+    ("conformance/dense/test_dense.py::test_a[x]", [""], True),
+    ("conformance/dense/test_dense.py::test_a[x]", ["conformance"], True),
+    ("conformance/dense/test_dense.py::test_a[x]", ["conformance/dense/test_dense.py"], True),
+    ("conformance/dense/test_dense.py::test_a[x]", ["conformance/dense/test_dense.py::test_a"], True),
+    ("conformance/dense/test_dense.py::test_a[x]", ["conformance/moe/test_moe.py"], False),
+    ("conformance/dense/test_dense.py::test_a[x]", ["conformance/dense/test_dense.py::test_b"], False),
+    ("conformance/dense/test_dense.py::test_a[x]", ["conformance/dense/test_dense.py::test_a[y]"], False),
+    ("conformance/test_densely.py::t", ["conformance/dense/test_dense.py"], False),
     ("conformance/", ["conformance"], True),
 ])
 def test_in_scope(entry, scopes, expected):

@@ -17,10 +17,10 @@ from conformance.backends import flashinfer as fi_dense
 from conformance.backends import flashinfer_moe as fi_moe
 from conformance.backends.flashinfer import FlashInferBackend
 from conformance.backends.flashinfer_platform import EmulatedFlashInfer
-from conformance.checks_dense import failing_checks
-from conformance.checks_moe import check_moe_ep_sum, check_moe_within_bound, run_moe_case
-from conformance.dense_cases import DENSE_CASES
-from conformance.moe_cases import MOE_CASES
+from conformance.dense.checks import failing_checks
+from conformance.moe.checks import check_moe_ep_sum, check_moe_within_bound, run_moe_case
+from conformance.dense.cases import DENSE_CASES
+from conformance.moe.cases import MOE_CASES
 from reference_impl import nvfp4
 from tests.mutants.flashinfer_adapter import _padded_linear_scales
 

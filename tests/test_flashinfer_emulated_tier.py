@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance.reporting import EMULATED_B200_TIER, EMULATED_VERDICT_NOTE
+from conformance._framework.reporting import EMULATED_B200_TIER, EMULATED_VERDICT_NOTE
 
 pytest_plugins = ["pytester"]
 
@@ -24,9 +24,9 @@ DENSE_IDS = ("flashinfer-cute-dsl-cpu-square-n192-k192", "flashinfer-cudnn-cpu-s
 SLICE = " or ".join([f"flashinfer-cute-dsl-{i}" for i in MOE_IDS] + list(DENSE_IDS))
 SELECT = f"({SLICE}) and (matches_reference or expert_parallel_sum)"
 EXPECTED = {  # test id -> check whose failure message must appear (each check's own wording)
-    **{f"conformance/test_moe.py::test_moe_matches_reference[flashinfer-cute-dsl-{i}]": "[moe_within_bound]" for i in MOE_IDS},
-    "conformance/test_moe.py::test_moe_expert_parallel_sum[flashinfer-cute-dsl-t128_e8_k2_ep2]": "[moe_",
-    **{f"conformance/test_dense.py::test_dense_matches_reference[{i}]": "outside the derived error bound" for i in DENSE_IDS},
+    **{f"conformance/moe/test_moe.py::test_moe_matches_reference[flashinfer-cute-dsl-{i}]": "[moe_within_bound]" for i in MOE_IDS},
+    "conformance/moe/test_moe.py::test_moe_expert_parallel_sum[flashinfer-cute-dsl-t128_e8_k2_ep2]": "[moe_",
+    **{f"conformance/dense/test_dense.py::test_dense_matches_reference[{i}]": "outside the derived error bound" for i in DENSE_IDS},
 }
 
 
@@ -35,7 +35,7 @@ def _emulated_run(tmp_path: Path, mutants: str) -> tuple[subprocess.CompletedPro
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     for var in ("NVFP4_CONFORMANCE_BACKEND", "NVFP4_FLASHINFER_EMULATED", "PYTEST_XDIST_WORKER_COUNT"):
         env.pop(var, None)
-    cmd = [sys.executable, "-m", "pytest", "-m", "b200", "conformance/test_moe.py", "conformance/test_dense.py",
+    cmd = [sys.executable, "-m", "pytest", "-m", "b200", "conformance/moe/test_moe.py", "conformance/dense/test_dense.py",
            "--flashinfer-emulated", "-p", "tests.mutants.flashinfer_adapter", "-k", SELECT, "-q",
            "-p", "no:cacheprovider", "--report-dir", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
@@ -83,8 +83,8 @@ def test_planted_adapter_layout_bugs_fail_the_emulated_b200_tier(planted):
 def _collect(pytester: pytest.Pytester, marker: str) -> list[str]:
     """Test ids ``pytest -m marker --collect-only`` selects from the suite's modules (in-process: no second
     torch import). Runs from the repository root, so the root conftest loads the suite's plugin."""
-    paths = ["conformance/test_dense.py", "conformance/test_moe.py", "conformance/test_dense_golden.py",
-             "conformance/test_engine_integration.py"]
+    paths = ["conformance/dense/test_dense.py", "conformance/moe/test_moe.py", "conformance/dense/test_dense_golden.py",
+             "conformance/engine_harness/test_engine_integration.py"]
     result = pytester.runpytest_inprocess("-m", marker, "--collect-only", "-q", "-p", "no:cacheprovider",
                                           "--rootdir", str(REPO), *paths)
     assert result.ret == 0, "\n".join(result.outlines[-20:])

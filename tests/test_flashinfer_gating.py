@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conformance.adapter import CaseInfo
+from conformance.interfaces.kernel import CaseInfo
 from conformance.backends import load_backends
 from conformance.backends import flashinfer as fi_backend
 from conformance.backends.flashinfer import (
@@ -28,9 +28,9 @@ from conformance.backends.flashinfer_platform import (
     cudnn_skip_reason,
     cute_dsl_tactics_problem,
 )
-from conformance.tiers import Gpu
-from conformance.checks_dense import failing_checks
-from conformance.dense_cases import CPU_CASES, DENSE_CASES
+from conformance._framework.tiers import Gpu
+from conformance.dense.checks import failing_checks
+from conformance.dense.cases import CPU_CASES, DENSE_CASES
 
 flashinfer = pytest.importorskip("flashinfer", reason="the gating is tested through an installed FlashInfer")
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from conformance import format_cases as C
-from conformance import format_inputs as I
-from conformance import format_oracles as O
-from conformance import test_format as conformance_format
+from conformance.format import cases as C
+from conformance.format import inputs as I
+from conformance.format import oracles as O
+from conformance.format import test_format as conformance_format
 from reference_impl import nvfp4 as F
 
 _E2M1_VALUES = np.concatenate(list(I.E2M1_ADVERSARIAL.values()))
@@ -48,7 +48,7 @@ def _modelopt_numpy() -> O.Mismatch | None:
 
 
 def _conformance(test, cases) -> str | None:
-    """Run a conformance test function of conformance/test_format.py over its cases; the first failure's message."""
+    """Run a conformance test function of conformance/format/test_format.py over its cases; the first failure's message."""
     for case in cases:
         try:
             test(case)

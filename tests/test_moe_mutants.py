@@ -1,5 +1,5 @@
 """The MoE checks reject every planted bug (by the named check each mutant declares) and accept every
-correct-but-different implementation. Cases come from :mod:`conformance.moe_cases` (CPU tier)."""
+correct-but-different implementation. Cases come from :mod:`conformance.moe.cases` (CPU tier)."""
 from __future__ import annotations
 
 import re
@@ -7,8 +7,8 @@ import re
 import pytest
 import torch
 
-from conformance.bounds import ErrorFigures
-from conformance.checks_moe import (
+from conformance.dense.bounds import ErrorFigures
+from conformance.moe.checks import (
     MoERun,
     check_moe_deterministic,
     check_moe_ep_sum,
@@ -19,7 +19,7 @@ from conformance.checks_moe import (
     check_moe_within_bound,
     run_moe_case,
 )
-from conformance.moe_cases import MOE_CASES, MoECase
+from conformance.moe.cases import MOE_CASES, MoECase
 from tests.mutants.moe import MUTANTS, VARIANTS, InputScaleFoldedIntoAlpha, KernelLayoutMoE
 
 CPU_CASES = {c.id: c for c in MOE_CASES if c.tier == "cpu"}

@@ -1,5 +1,5 @@
 """Self-tests of the MoE reference (:mod:`reference_impl.moe`, :mod:`reference_impl.routing`,
-:mod:`reference_impl.online_quant`), its error bound (:mod:`conformance.bounds_moe`) and the FlashInfer
+:mod:`reference_impl.online_quant`), its error bound (:mod:`conformance.moe.bounds`) and the FlashInfer
 MoE layout code (:mod:`conformance.backends.flashinfer_moe`), independent of any backend."""
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import reference_impl.moe as moe
-from conformance.adapter import CaseInfo
+from conformance.interfaces.kernel import CaseInfo
 from conformance.backends import flashinfer_moe as fim
-from conformance.bounds_moe import (
+from conformance.moe.bounds import (
     L_GELU,
     L_SILU,
     moe_error_bound,
@@ -20,7 +20,7 @@ from conformance.bounds_moe import (
     recipe_independent_error_bound,
     weight_perturbation_bound,
 )
-from conformance.moe_cases import MOE_CASES, MoECase, build_global_experts, build_inputs, rank_slice
+from conformance.moe.cases import MOE_CASES, MoECase, build_global_experts, build_inputs, rank_slice
 from reference_impl.nvfp4 import dequantize, quantize_kernel, quantize_modelopt
 from reference_impl.online_quant import (
     dequantize_experts,
@@ -366,7 +366,7 @@ def test_flashinfer_moe_capability_gate(cap, expect) -> None:
     """The capability branch, on CPU: a made-up GPU and the emulated wrapper, whose ``__init__`` carries
     FlashInfer's ``is_compute_capability_supported`` query like the real one."""
     from conformance.backends.flashinfer_platform import InstalledFlashInfer
-    from conformance.tiers import Gpu
+    from conformance._framework.tiers import Gpu
     from reference_impl import flashinfer_emulator as emu
 
     class Machine(InstalledFlashInfer):

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conformance import format_inputs as I
-from conformance import format_oracles as O
+from conformance.format import inputs as I
+from conformance.format import oracles as O
 from reference_impl import nvfp4 as F
 
 RANDOM_VALUES = 1_000_000

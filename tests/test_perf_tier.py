@@ -1,4 +1,4 @@
-"""Self-tests of the perf tier (:mod:`conformance.perf`, :mod:`conformance._plugins.perf`), the comma list
+"""Self-tests of the perf tier (:mod:`conformance.perf.measure`, :mod:`conformance.perf.plugin`), the comma list
 of backends, and the example third-party backend (``examples/torchao_nvfp4_backend.py``)."""
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import types
 import pytest
 import torch
 
-from conformance import perf
-from conformance._plugins.perf import PerfGate, load_perf_gates, perf_selected
+from conformance.perf import measure as perf
+from conformance.perf.plugin import PerfGate, load_perf_gates, perf_selected
 from conformance.backends import BackendLoadError, load_backends
 from conformance.backends.reference import ReferenceBackend
-from conformance.reporting import render_markdown
+from conformance._framework.reporting import render_markdown
 
 
 def _row(**overrides) -> perf.PerfRow:
@@ -42,8 +42,8 @@ def test_gates_fail_only_beyond_their_limits(tmp_path) -> None:
     assert gate.violations(_row(time_s=0.9e-5).as_dict()) == []
     assert "vs_bf16 = 2.000 > 1.0 (why)" in gate.violations(_row().as_dict())[0]
     path = tmp_path / "perf.toml"
-    path.write_text('[[perf]]\nid = "conformance/test_perf.py::"\nmax_vs_floor = 3\nreason = "floor"\n')
-    assert load_perf_gates(path) == [PerfGate("conformance/test_perf.py::", "floor", max_vs_floor=3.0)]
+    path.write_text('[[perf]]\nid = "conformance/perf/test_perf.py::"\nmax_vs_floor = 3\nreason = "floor"\n')
+    assert load_perf_gates(path) == [PerfGate("conformance/perf/test_perf.py::", "floor", max_vs_floor=3.0)]
     for bad, message in [('[[perf]]\nid = "a"\nreason = "r"\n', "at least one positive limit"),
                          ('[[perf]]\nid = "a"\nreason = "r"\nmax_vs_bf16 = 1\nspeed = 2\n', "unknown key"),
                          ('[[xfail]]\nid = "a"\n', "unknown section"), ('[[perf]]\nmax_vs_bf16 = 1\n', "'id'")]:
@@ -66,7 +66,7 @@ def test_measurements_and_report_section_on_cpu() -> None:
     dense_row = perf.measure_dense(ReferenceBackend(), 64, 64, 2, rates, timer)
     moe_row = perf.measure_moe(ReferenceBackend(), "t", 4, 64, 32, 2, 3, rates, timer)
     assert dense_row.time_s > 0 and dense_row.baseline == "torch.matmul bf16" and moe_row.kind == "moe"
-    tests = [{"nodeid": f"conformance/test_perf.py::t{i}", "area": "perf", "backend": "reference", "tier": "cpu",
+    tests = [{"nodeid": f"conformance/perf/test_perf.py::t{i}", "area": "perf", "backend": "reference", "tier": "cpu",
               "outcome": "passed", "message": "", "duration": 0.0, "repro": None, "artifacts": [],
               "properties": {"perf": {**r.as_dict(), "yardsticks": perf.format_rate(rates)}}}
              for i, r in enumerate((dense_row, moe_row))]
@@ -89,8 +89,8 @@ def test_example_torchao_backend_passes_the_cpu_dense_checks() -> None:
     declares MoE unsupported. Skipped without the optional extra."""
     pytest.importorskip("torchao", reason="needs the optional extra 'torchao' "
                                           "(pip install 'nvfp4-w4a16-conformance[torchao]')")
-    from conformance.checks_dense import failing_checks
-    from conformance.dense_cases import CPU_CASES
+    from conformance.dense.checks import failing_checks
+    from conformance.dense.cases import CPU_CASES
     from examples.torchao_nvfp4_backend import TorchaoNVFP4Backend
 
     backend = TorchaoNVFP4Backend()

@@ -3,17 +3,17 @@ tests/mutants/): every broken backend is rejected by the named check on the case
 every correct-but-different backend passes every check on the cases where it differs from the reference.
 
 Kept cheap: each broken backend runs one case; each correct one the few cases its difference shows on (the full
-cpu tier for all of them: ``pytest conformance/test_dense.py conformance/test_moe.py -m cpu --backend
+cpu tier for all of them: ``pytest conformance/dense/test_dense.py conformance/moe/test_moe.py -m cpu --backend
 tests.redteam_dense_ok:<Name>``, docs/dense.md and docs/moe.md give the measured figures).
 """
 from __future__ import annotations
 
 import pytest
 
-from conformance.checks_dense import STRICT_CHECKS, failing_checks
-from conformance.checks_moe import failing_moe_checks
-from conformance.dense_cases import CPU_CASES
-from conformance.moe_cases import MOE_CASES
+from conformance.dense.checks import STRICT_CHECKS, failing_checks
+from conformance.moe.checks import failing_moe_checks
+from conformance.dense.cases import CPU_CASES
+from conformance.moe.cases import MOE_CASES
 
 from tests import redteam_dense as D
 from tests import redteam_dense_ok as DOK

@@ -16,10 +16,10 @@ import torch
 import reference_impl.dense as dense
 import reference_impl.moe_grouped as grouped
 import reference_impl.nvfp4 as nvfp4
-from conformance.bounds_moe import moe_error_bound
-from conformance.checks_dense import failing_checks
-from conformance.dense_cases import CPU_CASES
-from conformance.moe_cases import MOE_CASES, build_global_experts, build_inputs
+from conformance.moe.bounds import moe_error_bound
+from conformance.dense.checks import failing_checks
+from conformance.dense.cases import CPU_CASES
+from conformance.moe.cases import MOE_CASES, build_global_experts, build_inputs
 from conformance.backends.reference import ReferenceBackend
 from reference_impl.moe import fused_moe_exact, fused_moe_w4a16
 
@@ -97,7 +97,7 @@ def test_cuda_code_path_passes_every_check(monkeypatch, case) -> None:
 
 def test_cpu_fallback_and_cuda_path_agree_to_fp32_rounding(monkeypatch) -> None:
     case = next(c for c in CPU_CASES if c.id == "cpu-awq-bias-3d")
-    from conformance.dense_cases import build_activations, build_layer
+    from conformance.dense.cases import build_activations, build_layer
 
     layer, x = build_layer(case), build_activations(case)
     args = (layer.weight, layer.weight_scale, layer.weight_scale_2, layer.pre_quant_scale, layer.bias)
@@ -113,7 +113,7 @@ def test_cpu_fallback_and_cuda_path_agree_to_fp32_rounding(monkeypatch) -> None:
 
 def test_small_cpu_layers_keep_an_fp32_upcast_large_ones_do_not(monkeypatch) -> None:
     case = next(c for c in CPU_CASES if c.id == "cpu-bias")
-    from conformance.dense_cases import build_layer
+    from conformance.dense.cases import build_layer
 
     layer = build_layer(case)
     small = dense.prepare_w4a16_linear(layer.weight, layer.weight_scale, layer.weight_scale_2, bias=layer.bias)

@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from conformance.reporting import area_of, merge_summaries, render_markdown, table_rows
+from conformance._framework.reporting import area_of, merge_summaries, render_markdown, table_rows
 
 REPO = Path(__file__).resolve().parent.parent
 GATE = REPO / "ci" / "run_conformance.py"
 MUTANT = "tests.mutants.report_mutant:NoDecodeScaleMutant"
 # A small, fast slice of the dense module: the bound check on three small n=160 shapes.
-SUBSET = ["--tests", "conformance/test_dense.py", "--", "-k",
+SUBSET = ["--tests", "conformance/dense/test_dense.py", "--", "-k",
           "matches_reference and (m1-n160 or m2-n160 or m3-n160)", "-q"]
 
 
@@ -136,8 +136,8 @@ def test_misconfigured_gate_exits_2(tmp_path):
 # ------------------------------------------------------------------------------ artifacts
 PROBE = '''
 import torch
-from conformance.adapter import DenseLayer
-from conformance.reporting import record_tensors
+from conformance.interfaces.kernel import DenseLayer
+from conformance._framework.reporting import record_tensors
 from reference_impl.nvfp4 import quantize_modelopt
 
 def test_fails(backend, artifacts):
@@ -184,9 +184,9 @@ def test_failing_tests_tensors_are_saved_and_passing_ones_are_not(tmp_path):
 
 
 def test_backend_capture_is_undone_after_each_test():
-    from conformance._plugins.report import _capture_backend_calls
+    from conformance._framework.report_files import _capture_backend_calls
     from conformance.backends.reference import ReferenceBackend
-    from conformance.reporting import Artifacts
+    from conformance._framework.reporting import Artifacts
 
     backend = ReferenceBackend()
     sentinel = object()
@@ -199,14 +199,14 @@ def test_backend_capture_is_undone_after_each_test():
 
 # ------------------------------------------------------------------------- pure functions
 @pytest.mark.parametrize("nodeid,area", [
-    ("conformance/test_format.py::test_x", "format"),
-    ("conformance/test_dense.py::test_x[a-b]", "dense"),
-    ("conformance/test_moe.py::test_x", "MoE"),
-    ("conformance/test_config_rules.py::test_x", "config rules"),
-    ("conformance/test_lm_head_guard.py::test_x", "LM head"),
-    ("conformance/test_reload_binding.py::test_x", "reload"),
-    ("conformance/test_server_scenarios.py::test_x", "server"),
-    ("conformance/test_engine_integration.py::test_x", "engine integration"),
+    ("conformance/format/test_format.py::test_x", "format"),
+    ("conformance/dense/test_dense.py::test_x[a-b]", "dense"),
+    ("conformance/moe/test_moe.py::test_x", "MoE"),
+    ("conformance/rules/test_config_rules.py::test_x", "config rules"),
+    ("conformance/rules/test_lm_head_guard.py::test_x", "LM head"),
+    ("conformance/rules/test_reload_binding.py::test_x", "reload"),
+    ("conformance/server/test_server_scenarios.py::test_x", "server"),
+    ("conformance/engine_harness/test_engine_integration.py::test_x", "engine integration"),
     ("conformance/test_something_new.py::test_x", "other"),
 ])
 def test_area_of(nodeid, area):
@@ -270,7 +270,7 @@ def _gate_module():
 
 
 def test_tier_plan_on_an_h200(monkeypatch):
-    from conformance.tiers import Gpu, Hardware
+    from conformance._framework.tiers import Gpu, Hardware
 
     gate = _gate_module()
     monkeypatch.setattr(gate, "detect_hardware", lambda: Hardware((Gpu("NVIDIA H200", (9, 0)),)))
@@ -284,7 +284,7 @@ def test_tier_plan_on_an_h200(monkeypatch):
 
 
 def test_tier_plan_on_a_cpu_machine_counts_every_gpu_test_as_skipped(monkeypatch):
-    from conformance.tiers import Hardware
+    from conformance._framework.tiers import Hardware
 
     gate = _gate_module()
     monkeypatch.setattr(gate, "detect_hardware", lambda: Hardware())
@@ -296,7 +296,7 @@ def test_tier_plan_on_a_cpu_machine_counts_every_gpu_test_as_skipped(monkeypatch
 def test_emulated_b200_runs_are_marked_and_never_counted_as_b200():
     """--flashinfer-emulated: the verdict line says EMULATED, the tier is listed as emulated (not run, not
     skipped), the rows carry "(emulated)", and a merge keeps all of it."""
-    from conformance.reporting import EMULATED_B200_TIER, EMULATED_VERDICT_NOTE
+    from conformance._framework.reporting import EMULATED_B200_TIER, EMULATED_VERDICT_NOTE
 
     emulated = _t("t/test_dense.py::a[flashinfer-cudnn-x]", "passed", backend="flashinfer-cudnn", ratio=0.2)
     emulated["tier"] = EMULATED_B200_TIER
@@ -318,7 +318,7 @@ def test_emulated_b200_runs_are_marked_and_never_counted_as_b200():
 def test_tier_plan_with_the_b200_tier_emulated(monkeypatch):
     """With a GPU the emulated b200 tier gets its own serial run on it; without one it stays in the parallel
     CPU run (and --tier b200 runs it in parallel there); it is never reported as absent."""
-    from conformance.tiers import Gpu, Hardware
+    from conformance._framework.tiers import Gpu, Hardware
 
     gate = _gate_module()
     monkeypatch.setattr(gate, "detect_hardware", lambda: Hardware((Gpu("NVIDIA H200", (9, 0)),)))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from conformance.engines.matrix import DEFAULT_PROFILE, MATRICES, load_matrix, mismatch, profile_names, run_case
-from conformance.engines.reference import ReferenceRules
+from conformance.rules.matrix import DEFAULT_PROFILE, MATRICES, load_matrix, mismatch, profile_names, run_case
+from conformance.rules.reference import ReferenceRules
 from tests.mutants.rules import ACCEPTED_VARIANTS, MUTANTS, PROFILE_MUTANTS
 from tests.mutants.rules_redteam import REDTEAM_MUTANTS
 
@@ -52,7 +52,7 @@ def test_reference_passes_every_matrix(matrix, profile):
 def test_profiles_differ_exactly_on_their_overrides():
     """The 0.5.23 reference judged by sglang-main fails exactly the cases main overrides (and vice versa):
     a profile changes outcomes only where its sources say the rule changed."""
-    from conformance.engines.matrix import load_profile
+    from conformance.rules.matrix import load_profile
 
     overrides = load_profile("sglang-main")["overrides"]
     assert overrides, "sglang-main overrides nothing"
@@ -77,7 +77,7 @@ def test_correct_variant_is_accepted(variant):
 
 # ---- the sglang engine calls SGLang's own code ---------------------------------------------------------------
 # One test (one SGLang import, ~40 s on a loaded 2-core host, in one xdist worker). The full unpatched run is
-# the conformance suite's job: pytest conformance/test_config_rules.py ... --engine sglang.
+# the conformance suite's job: pytest conformance/rules/test_config_rules.py ... --engine sglang.
 
 def _always_rebind(module, name, new_value):
     import torch
@@ -86,14 +86,14 @@ def _always_rebind(module, name, new_value):
 
 
 def test_sglang_engine_runs_sglang_code():
-    from conformance.engines import EngineUnavailable, load_engine
+    from conformance.rules import EngineUnavailable, load_engine
 
     try:
         engine = load_engine("sglang")
     except EngineUnavailable as exc:
         pytest.skip(f"sglang engine unavailable: {exc}")
     fu = engine.fu
-    from conformance.engines._sglang_import import import_sglang_module
+    from conformance.rules._sglang_import import import_sglang_module
 
     model_config = import_sglang_module("sglang.srt.configs.model_config")
     breakages = [  # (module, attribute, broken version, matrix, a case that must now fail)
@@ -133,7 +133,7 @@ def test_sglang_engine_runs_sglang_code():
 
 def _refresh_without_guard(layer):
     """SGLang's CuTe DSL scale refresh minus its recapture guard: copies what fits, rebinds what does not."""
-    from conformance.engines._sglang_import import import_sglang_module
+    from conformance.rules._sglang_import import import_sglang_module
 
     cutedsl = import_sglang_module("sglang.srt.layers.moe.moe_runner.flashinfer_cutedsl")
     w1_alpha, fc2, w2_alpha, _ = cutedsl.resolve_cutedsl_standard_scales(layer)

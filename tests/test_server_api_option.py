@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance._plugins.server import SERVER_API_ENV
+from conformance.server.plugin import SERVER_API_ENV
 from conformance.server.dialects import DIALECTS
 from fixtures.make_checkpoints import ensure_checkpoints
 from tests.live_reference_server import live_reference_server
@@ -25,7 +25,7 @@ def _suite(*args: str, api_env: str | None = None, timeout: float = 300) -> subp
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", SERVER_API_ENV))}
     if api_env is not None:
         env[SERVER_API_ENV] = api_env
-    cmd = [sys.executable, "-m", "pytest", "conformance/test_server_scenarios.py", "-p", "no:cacheprovider", "-q",
+    cmd = [sys.executable, "-m", "pytest", "conformance/server/test_server_scenarios.py", "-p", "no:cacheprovider", "-q",
            "-rs", *args]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 

@@ -1,4 +1,4 @@
-"""The tensor snapshot extension (conformance/snapshots.py): lossless storage, exact integers, recorded float
+"""The tensor snapshot extension (conformance/_framework/snapshots.py): lossless storage, exact integers, recorded float
 tolerance, and a changed value failing until ``--snapshot-update`` regenerates the snapshot."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import textwrap
 import pytest
 import torch
 
-from conformance import format_inputs as I
-from conformance.snapshots import (
+from conformance.format import inputs as I
+from conformance._framework.snapshots import (
     DEFAULT_SNAPSHOT_ROOT,
     SNAPSHOT_DIR_ENV,
     Approx,
@@ -130,7 +130,7 @@ def test_stored_canonical_snapshot_rejects_a_one_code_change():
 _DEMO_TEST = """
 import os
 import torch
-from conformance.snapshots import Approx
+from conformance._framework.snapshots import Approx
 
 def test_vectors(golden):
     codes = torch.arange(32, dtype=torch.uint8)
@@ -153,7 +153,7 @@ def test_changed_value_fails_until_regenerated(pytester, monkeypatch, tmp_path):
     pytester.makepyfile(test_demo=textwrap.dedent(_DEMO_TEST))
     # Only the plugins this needs (auto-loading every installed pytest plugin costs seconds per run).
     monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
-    args = ["-p", "syrupy", "-p", "conformance._plugins.snapshots", "-p", "no:cacheprovider", "-q"]
+    args = ["-p", "syrupy", "-p", "conformance._framework.snapshot_fixture", "-p", "no:cacheprovider", "-q"]
 
     def run(change: str, *extra: str):
         monkeypatch.setenv("DEMO_CHANGE", change)

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from conformance import tiers
-from conformance.tiers import Gpu, Hardware, stricter_tier, tier_skip_reason
+from conformance._framework import tiers
+from conformance._framework.tiers import Gpu, Hardware, stricter_tier, tier_skip_reason
 
 H200 = Gpu("NVIDIA H200", (9, 0))
 B200 = Gpu("NVIDIA B200", (10, 0))
@@ -75,8 +75,8 @@ def test_b200_emulation_runs_on_this_hosts_device(monkeypatch):
 def test_flashinfer_cases_take_the_b200_tier_and_keep_their_ids():
     from conformance.backends.flashinfer import FlashInferBackend
     from conformance.backends.reference import ReferenceBackend
-    from conformance.cases import case_for_backend
-    from conformance.dense_cases import CPU_CASES
+    from conformance._framework.cases import case_for_backend
+    from conformance.dense.cases import CPU_CASES
 
     case = CPU_CASES[0]
     assert case_for_backend(case, ReferenceBackend()) is case

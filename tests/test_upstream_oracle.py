@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from conformance.engines.matrix import profile_names
-from conformance.engines.oracle import (AGREE, CHECKS, DISAGREE, NOT_APPLICABLE, ORACLE_FILE, SOURCE_FIELDS,
+from conformance.rules.matrix import profile_names
+from conformance.rules.oracle import (AGREE, CHECKS, DISAGREE, NOT_APPLICABLE, ORACLE_FILE, SOURCE_FIELDS,
                                         judge, load_expectations, tally)
-from conformance.engines.reference import ReferenceRules
+from conformance.rules.reference import ReferenceRules
 from tests.mutants.rules import DeepEPNormalRejectedOnMain, LmHeadW4A16BranchMissing, PerTokenNotForcedOffUnderW4A16
 
 MIN_EXPECTATIONS = 40
@@ -65,7 +65,7 @@ def test_disagreement_is_reported_with_both_sides(mutant, profile, entry):
 
 
 def test_unknown_profile_is_an_error_naming_the_known_ones():
-    from conformance.engines.matrix import load_matrix, load_profile
+    from conformance.rules.matrix import load_matrix, load_profile
 
     with pytest.raises(ValueError, match="sglang-0.5.23"):
         load_profile("sglang-9.9")
@@ -84,7 +84,7 @@ def test_report_names_rules_engine_and_profile(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "conformance/test_config_rules_upstream.py",
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "conformance/rules/test_config_rules_upstream.py",
          "-k", "fp4_backend or deepep", "--rules-profile", "sglang-main", "--engine", "reference",
          "--report-dir", str(tmp_path)], cwd=root, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
@@ -99,7 +99,7 @@ def test_report_names_rules_engine_and_profile(tmp_path):
 def test_engine_without_the_optional_methods_reports_them_unsupported():
     """A third-party engine written before the optional methods existed keeps working: those matrices and
     oracle checks are reported unsupported (skipped with the method's name), not failed."""
-    from conformance.engine import OPTIONAL_METHODS, RulesEngine
+    from conformance.interfaces.rules import OPTIONAL_METHODS, RulesEngine
 
     ref = ReferenceRules()
     abstract = {name: (lambda n: lambda self, *a, **k: getattr(ref, n)(*a, **k))(name)

@@ -7,7 +7,7 @@ import importlib
 import os
 from collections.abc import Iterable
 
-from conformance.adapter import Backend
+from conformance.interfaces.kernel import Backend
 
 BACKEND_ENV_VAR = "NVFP4_CONFORMANCE_BACKEND"
 DEFAULT_BACKEND = "reference,flashinfer"
@@ -62,7 +62,7 @@ def _load_one(spec: str) -> list[Backend]:
     backends = [obj] if isinstance(obj, Backend) else list(obj) if isinstance(obj, Iterable) else [obj]
     for b in backends:
         if not isinstance(b, Backend):
-            raise BackendLoadError(f"{target} produced {b!r}, which is not a conformance.adapter.Backend")
+            raise BackendLoadError(f"{target} produced {b!r}, which is not a conformance.interfaces.kernel.Backend")
     if not backends:
         raise BackendLoadError(f"{target} produced no backend")
     return backends

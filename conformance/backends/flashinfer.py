@@ -31,7 +31,7 @@ import torch
 from reference_impl.dense import dense_alpha
 from reference_impl.nvfp4 import swizzle_128x4
 
-from conformance.adapter import Backend, CaseInfo, DenseLayer, MoEExperts
+from conformance.interfaces.kernel import Backend, CaseInfo, DenseLayer, MoEExperts
 from conformance.backends.flashinfer_platform import FlashInferPlatform, cudnn_skip_reason, current_platform
 
 #: The first FlashInfer release with ``prepare_bf16_fp4_weights`` / ``mm_bf16_fp4``.

@@ -39,7 +39,7 @@ import torch
 
 from reference_impl.nvfp4 import W13_CHUNK_ROWS, swizzle_128x4, swizzled_shape, to_cutedsl_w13, unswizzle_128x4
 
-from conformance.adapter import CaseInfo, MoEExperts
+from conformance.interfaces.kernel import CaseInfo, MoEExperts
 from conformance.backends.flashinfer_platform import FlashInferPlatform, current_platform
 
 SUPPORTED_CAPABILITIES = ((10, 0), (10, 3), (10, 7))

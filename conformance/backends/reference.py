@@ -14,7 +14,7 @@ from reference_impl.dense import PreparedLinear, prepare_w4a16_linear, run_w4a16
 from reference_impl.moe import check_moe_inputs
 from reference_impl.moe_grouped import PreparedExperts, prepare_experts, run_prepared_experts
 
-from conformance.adapter import Backend, DenseLayer, MoEExperts
+from conformance.interfaces.kernel import Backend, DenseLayer, MoEExperts
 
 
 @dataclass(frozen=True)

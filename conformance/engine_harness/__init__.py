@@ -12,7 +12,7 @@ import os
 
 ENGINE_ENV_VAR = "NVFP4_HARNESS_ENGINE"
 DEFAULT_ENGINE = "sglang"
-BUILTIN_ENGINES = {"sglang": "conformance.engine_harness.sglang_adapter:SGLangAdapter"}
+BUILTIN_ENGINES = {"sglang": "conformance.engine_harness.sglang:SGLangAdapter"}
 
 
 class EngineLoadError(RuntimeError):

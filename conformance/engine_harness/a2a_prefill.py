@@ -15,7 +15,7 @@ Checks (named, like :mod:`.checks`):
   applied with the CuTe DSL scalar global scale ``1 / max_e(w13 input_scale)`` (computed here from the
   checkpoint's input scales), linear ``[T, H/16]`` E4M3 scales, and an ``fc2_input_scale``.
 * ``output_within_bound`` (W4A16 only): the MoE output against the checkpoint reference within the derived
-  bound (:func:`conformance.bounds_moe.moe_error_bound`). The emulator models the W4A16 MoE kernel only, so
+  bound (:func:`conformance.moe.bounds.moe_error_bound`). The emulator models the W4A16 MoE kernel only, so
   the W4A4 kernel call is recorded and answered with zeros: for W4A4 this scenario checks what reaches the
   kernel, not its numbers.
 

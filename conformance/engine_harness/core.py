@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import torch
 
-from conformance.adapter import DenseLayer, MoEExperts
+from conformance.interfaces.kernel import DenseLayer, MoEExperts
 from conformance.engine_harness.standin import StandIn
 
 Mode = Literal["w4a16", "w4a4"]

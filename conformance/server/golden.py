@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from conformance.snapshots import Approx, deserialize_entries, snapshot_root
+from conformance._framework.snapshots import Approx, deserialize_entries, snapshot_root
 from conformance.server.bounds import golden_bound
 from conformance.server.client import Generation
 

@@ -228,7 +228,7 @@ class ModelCatalog:
 
     def _computed(self, model: ServedModel, weight_set: str) -> GoldenTruth:
         """Golden outputs by the reference model, once per session (cached in the work directory)."""
-        from conformance.snapshots import deserialize_entries, serialize_entries
+        from conformance._framework.snapshots import deserialize_entries, serialize_entries
         from reference_impl.golden import ExactModel
 
         from conformance.server.golden import golden_entries, golden_from_entries

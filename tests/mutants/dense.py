@@ -1,6 +1,6 @@
 """Dense W4A16 backends with one planted bug each (mutants), and correct-but-different ones (variants).
 
-Every mutant is named after its bug and declares the named check (:data:`conformance.checks_dense.NAMED_CHECKS`)
+Every mutant is named after its bug and declares the named check (:data:`conformance.dense.checks.NAMED_CHECKS`)
 expected to reject it; every variant computes the contract by a different legal route and must pass.
 All of them are built from :class:`PlainDense`, whose hooks mirror the stages of a real kernel: prepare the
 weight, decode it, pick alpha, pre-scale the activations, GEMM, epilogue.
@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from conformance.adapter import Backend, DenseLayer
+from conformance.interfaces.kernel import Backend, DenseLayer
 from reference_impl.nvfp4 import (
     BLOCK_SIZE,
     e2m1_decode,

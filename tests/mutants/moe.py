@@ -1,6 +1,6 @@
 """W4A16 fused-MoE backends with one planted bug each (mutants), and correct-but-different ones (variants).
 
-Every mutant is named after its bug and declares the named check of :mod:`conformance.checks_moe` expected
+Every mutant is named after its bug and declares the named check of :mod:`conformance.moe.checks` expected
 to reject it (``caught_by``); every variant computes the contract by a different legal route and must pass.
 They are built from :class:`KernelLayoutMoE`, which does what an engine integration does: turn the
 checkpoint into FlashInfer's CuTe DSL kernel layout at prepare time ([up; gate] 64-row interleave, 128x4
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from conformance.adapter import Backend, DenseLayer, MoEExperts
+from conformance.interfaces.kernel import Backend, DenseLayer, MoEExperts
 from conformance.backends import flashinfer_moe
 from conformance.backends.flashinfer_moe import KernelMoEWeights, build_kernel_layout, read_back_kernel_layout
 from reference_impl.moe import fused_moe_w4a16

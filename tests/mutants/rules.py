@@ -9,7 +9,7 @@ from reference_impl import config_rules as R
 from reference_impl import lm_head as L
 from reference_impl import reload as RL
 
-from conformance.engines.reference import ReferenceRules
+from conformance.rules.reference import ReferenceRules
 
 
 class QwenFusionGuardMissing(ReferenceRules):

@@ -1,0 +1,194 @@
+"""``--expectations FILE``: a backend's known failures and unsupported cases, by test-id prefix.
+
+The file is TOML (see ci/expectations/ and docs/reports.md)::
+
+    [[xfail]]                      # known failure: the test runs and must fail (strict)
+    id = "conformance/dense/test_dense.py::test_dense[flashinfer-cudnn-"
+    reason = "cuDNN path rounds alpha to bf16"
+    link = "https://github.com/org/repo/issues/1"   # optional
+
+    [[unsupported]]                # declared unsupported: the test is skipped with the reason
+    id = "conformance/moe/test_moe.py::"
+    reason = "no fused MoE in this engine"
+
+Matching tests get ``xfail(strict=True)`` (an expected failure that passes fails the run: XPASS(strict))
+or ``skip``. An entry that matches no collected test, although the run collected where it points, fails the
+run through a synthetic test ``<file>::stale[<id>]``, so the list cannot rot. Ids are relative to the
+rootdir (the repository root), as pytest prints them.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+KINDS = ("xfail", "unsupported")
+_ALLOWED_KEYS = {"id", "reason", "link"}
+_KEY = pytest.StashKey["ExpectationSet"]()
+
+
+class ExpectationFileError(ValueError):
+    """The expectations file cannot be read or has a malformed entry."""
+
+
+@dataclass(frozen=True)
+class Expectation:
+    kind: str  # "xfail" or "unsupported"
+    id: str  # test-id prefix, relative to the rootdir
+    reason: str
+    link: str | None = None
+
+    def describe(self) -> str:
+        return self.reason + (f" ({self.link})" if self.link else "")
+
+
+def load_expectations(path: str | Path) -> list[Expectation]:
+    """Parse and validate an expectations file; errors name the file and the entry."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise ExpectationFileError(f"cannot read expectations file {path}: {exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ExpectationFileError(f"{path} is not valid TOML: {exc}") from exc
+    unknown = set(data) - set(KINDS)
+    if unknown:
+        raise ExpectationFileError(f"{path}: unknown section(s) {sorted(unknown)}; use [[xfail]] or [[unsupported]]")
+    out, seen = [], set()
+    for kind in KINDS:
+        entries = data.get(kind, [])
+        if not isinstance(entries, list):
+            raise ExpectationFileError(f"{path}: '{kind}' must be an array of tables ([[{kind}]])")
+        for n, entry in enumerate(entries, 1):
+            where = f"{path}: [[{kind}]] entry {n}"
+            extra = set(entry) - _ALLOWED_KEYS
+            if extra:
+                raise ExpectationFileError(f"{where}: unknown key(s) {sorted(extra)}; allowed: id, reason, link")
+            for key in ("id", "reason"):
+                if not isinstance(entry.get(key), str) or not entry[key].strip():
+                    raise ExpectationFileError(f"{where}: '{key}' must be a non-empty string")
+            if entry["id"] in seen:
+                raise ExpectationFileError(f"{where}: id {entry['id']!r} is listed twice")
+            seen.add(entry["id"])
+            out.append(Expectation(kind, entry["id"], entry["reason"].strip(), entry.get("link")))
+    return out
+
+
+def in_scope(entry_id: str, scopes: list[str]) -> bool:
+    """Whether the run collected the part of the suite ``entry_id`` points into. ``scopes`` are the run's
+    arguments as rootdir-relative ids ("" = everything), e.g. ``conformance`` or a single test's id:
+    a run of one test cannot judge entries for the others, so those are not called stale."""
+    for scope in scopes:
+        if scope == "" or entry_id == scope:
+            return True
+        if entry_id.startswith(scope) and entry_id[len(scope)] in "/:[":
+            return True
+    return False
+
+
+def _scopes(config: pytest.Config) -> list[str]:
+    root = config.rootpath.resolve()
+    scopes = []
+    for arg in config.args:
+        path, sep, rest = arg.partition("::")
+        absolute = (config.invocation_params.dir / path).resolve()
+        try:
+            rel = absolute.relative_to(root).as_posix()
+        except ValueError:
+            continue  # outside the rootdir: no entry can point there
+        rel = "" if rel == "." else rel
+        scopes.append(rel + sep + rest)
+    return scopes
+
+
+class ExpectationSet:
+    def __init__(self, path: Path, entries: list[Expectation]) -> None:
+        self.path, self.entries = path, entries
+
+    def match(self, nodeid: str) -> list[Expectation]:
+        return [e for e in self.entries if nodeid.startswith(e.id)]
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("nvfp4", "NVFP4 W4A16 conformance")
+    group.addoption(
+        "--expectations",
+        default=None,
+        metavar="FILE",
+        help="TOML file of this backend's known failures ([[xfail]], strict) and unsupported cases "
+        "([[unsupported]], skipped), by test-id prefix; an entry matching no test fails the run",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    path = config.getoption("--expectations")
+    if not path:
+        return
+    try:
+        entries = load_expectations(path)
+    except ExpectationFileError as exc:
+        raise pytest.UsageError(str(exc)) from exc
+    config.stash[_KEY] = ExpectationSet(Path(path), entries)
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    exp = config.stash.get(_KEY, None)
+    if exp is None:
+        return None
+    return f"nvfp4 expectations: {exp.path} ({len(exp.entries)} entries)"
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]):
+    exp = config.stash.get(_KEY, None)
+    if exp is None:
+        return (yield)
+    # Before -k/-m deselection: an entry for a test this tier does not run is not stale.
+    used: set[Expectation] = set()
+    for item in items:
+        matches = exp.match(item.nodeid)
+        used.update(matches)
+        unsupported = [e for e in matches if e.kind == "unsupported"]
+        if unsupported:
+            item.add_marker(pytest.mark.skip(reason=f"unsupported: {unsupported[0].describe()}"))
+        elif matches:
+            item.add_marker(pytest.mark.xfail(strict=True, reason=f"known failure: {matches[0].describe()}"))
+    result = yield
+    scopes = _scopes(config)
+    for entry in exp.entries:
+        if entry not in used and in_scope(entry.id, scopes):
+            items.append(StaleExpectation.from_parent(session, entry=entry, source=exp.path))
+    return result
+
+
+class StaleExpectationError(AssertionError):
+    pass
+
+
+class StaleExpectation(pytest.Item):
+    """A synthetic failing test standing for an expectation entry that matches no collected test."""
+
+    def __init__(self, *, entry: Expectation, source: Path, **kwargs) -> None:
+        nodeid = f"{source.as_posix()}::stale[{entry.id}]"
+        super().__init__(name=f"stale[{entry.id}]", nodeid=nodeid, **kwargs)
+        self.entry, self.source = entry, source
+        self.user_properties.append(("area", "expectations"))
+
+    def runtest(self) -> None:
+        raise StaleExpectationError(
+            f"stale expectation in {self.source}: [[{self.entry.kind}]] id = {self.entry.id!r} matches no "
+            f"collected test; remove the entry or fix its id (ids are test-id prefixes relative to the rootdir)"
+        )
+
+    def repr_failure(self, excinfo, style=None) -> str:
+        return str(excinfo.value)
+
+    def reportinfo(self):
+        return self.source, None, f"stale expectation {self.entry.id!r}"

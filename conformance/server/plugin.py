@@ -1,0 +1,236 @@
+"""Server scenarios: options, the parametrization (config x model x scenario) and the server pool.
+
+    pytest conformance/server/test_server_scenarios.py                       # reference server, every tier
+    pytest conformance/server/test_server_scenarios.py --server-cmd "python -m sglang.launch_server \
+        --model-path {model_path} --port {port} --tp {tp} --dp {dp} --ep {ep}" --server-configs tp1,tp4-dp4-ep4
+    pytest conformance/server/test_server_scenarios.py --server-checkpoint /ckpts/llama-nvfp4 --tokenizer /hf/llama
+    pytest conformance/server/test_server_scenarios.py --server-url http://127.0.0.1:30000 \
+        --server-model-path fixtures/checkpoints/dense-nvfp4_awq-a
+    pytest conformance/server/test_server_scenarios.py --server-api vllm --server-cmd "vllm serve {model_path} ..."
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import os
+
+import pytest
+
+from conformance.server.configs import ServerConfig, parse_configs, reference_configs
+from conformance.server.launcher import REFERENCE_TEMPLATE, ServerProcess, ServerStartError
+from conformance.server.dialects import DIALECTS, ServerDialect, make_dialect
+from conformance.server.models import DEFAULT_MODELS, ModelCatalog, ModelError, ServedModel, remove_work_dir, work_dir
+from conformance.server.scenarios import SCENARIOS, Scenario, fresh_outputs, run_scenario
+
+ATTACHED = ServerConfig(1, device="attached", tier="cpu")
+SERVER_API_ENV = "NVFP4_CONFORMANCE_SERVER_API"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    g = parser.getgroup("nvfp4-server", "NVFP4 W4A16 server scenarios")
+    g.addoption("--server-cmd", default=None,
+                help="command template starting the server under test; placeholders {python} {model_path} "
+                     "{port} {tp} {dp} {ep} {device} (default: the reference server)")
+    g.addoption("--server-url", default=None, help="attach to a running server (127.0.0.1 only) instead")
+    g.addoption("--server-api", default=os.environ.get(SERVER_API_ENV, "sglang"), metavar="|".join(DIALECTS),
+                help=f"the API the scenarios speak (conformance/server/dialects.py; default sglang, or "
+                     f"${SERVER_API_ENV}); scenarios needing an endpoint the API lacks skip with the reason")
+    g.addoption("--server-model-path", default=None,
+                help="with --server-url: the fixture checkpoint (<family>-a) it serves (default: from /get_model_info)")
+    g.addoption("--server-models", default=",".join(DEFAULT_MODELS),
+                help=f"fixture families to serve (default {','.join(DEFAULT_MODELS)})")
+    g.addoption("--server-checkpoint", action="append", default=[], metavar="PATH",
+                help="serve your own ModelOpt NVFP4 / NVFP4_AWQ / W4A16_NVFP4 checkpoint (HF layout; repeatable) "
+                     "instead of the fixtures; it is only read: the second weight set and the corrupt checkpoint "
+                     "are derived into a temporary directory the suite removes")
+    g.addoption("--tokenizer", default=None, metavar="PATH",
+                help="tokenizer.json (or a directory holding one) for --server-checkpoint checkpoints without one")
+    g.addoption("--server-configs", default=None,
+                help="parallel configs, e.g. 'tp1,tp2,tp4-dp4-ep4' or 'cpu-tp2' (default: the reference "
+                     "server's per-tier list; with --server-cmd: tp1 on CUDA)")
+    g.addoption("--server-gpus", type=int, default=None, help="GPU count for the multi_gpu configs (default: detected)")
+    g.addoption("--server-timeout", type=float, default=None, help="time limit per scenario in seconds (default 120)")
+    g.addoption("--server-start-timeout", type=float, default=240.0, help="time limit for a server to become healthy")
+    g.addoption("--server-checkpoints", default=None,
+                help="a fixture build made with `python fixtures/make_checkpoints.py --out DIR` (read only; "
+                     "default: fixtures/checkpoints, built on first use)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--server-api") not in DIALECTS:
+        raise pytest.UsageError(f"--server-api {config.getoption('--server-api')!r} (or ${SERVER_API_ENV}): "
+                                f"known APIs: {', '.join(DIALECTS)}")
+    config.addinivalue_line("markers", "batch_invariance: needs batch-size invariant logprobs (not every engine promises it)")
+    config.addinivalue_line("markers", "server_scenario: starts or attaches to an inference server")
+    if getattr(config.option, "dist", None) == "load":
+        # `-n N` alone means "load"; with "loadgroup" (the same for tests without a group) each server's
+        # scenarios run in one worker, so a server starts once instead of once per worker
+        config.option.dist = "loadgroup"
+    checkpoints = config.getoption("--server-checkpoint")
+    if config.getoption("--tokenizer") and not checkpoints:
+        raise pytest.UsageError("--tokenizer applies to --server-checkpoint checkpoints (the fixtures have their own)")
+    if checkpoints and config.getoption("--server-url") and len(checkpoints) != 1:
+        raise pytest.UsageError("--server-url serves one checkpoint: give one --server-checkpoint")
+    try:  # clear errors at start, before any server: a missing or unfitting tokenizer, not a checkpoint
+        ModelCatalog([], None, checkpoints, config.getoption("--tokenizer")).check_user_checkpoints()
+    except ModelError as exc:
+        raise pytest.UsageError(str(exc)) from exc
+    if checkpoints and not hasattr(config, "workerinput"):
+        # the controller owns the work directory; pytest-xdist workers inherit its path
+        config._nvfp4_server_work_dir = work_dir()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if getattr(config, "_nvfp4_server_work_dir", None) is not None:  # the controller: workers are done
+        remove_work_dir()
+
+
+@dataclass(frozen=True)
+class ServerCase:
+    config: ServerConfig
+    model: str
+    scenario: Scenario
+
+    @property
+    def id(self) -> str:
+        return f"{self.config.id}-{self.model}-{self.scenario.id}"
+
+    @property
+    def tier(self) -> str:
+        return self.config.tier
+
+
+def _configs(config: pytest.Config) -> list[ServerConfig]:
+    if config.getoption("--server-url"):
+        return [ATTACHED]
+    spec = config.getoption("--server-configs")
+    if spec:
+        try:
+            return parse_configs(spec)
+        except ValueError as exc:
+            raise pytest.UsageError(str(exc)) from exc
+    if config.getoption("--server-cmd"):
+        return parse_configs("tp1")
+    gpus = config.getoption("--server-gpus")
+    if gpus is None:
+        from conformance._framework.tiers import detect_hardware
+
+        gpus = len(detect_hardware().gpus)
+    return reference_configs(gpus)
+
+
+def _catalog(config: pytest.Config) -> ModelCatalog:
+    families = [f for f in config.getoption("--server-models").split(",") if f]
+    root = config.getoption("--server-checkpoints")
+    if config.getoption("--server-url") and not config.getoption("--server-checkpoint"):
+        path = config.getoption("--server-model-path")
+        if path:  # a fixture checkpoint <family>-a in some build directory
+            p = Path(path)
+            if not p.name.endswith("-a"):
+                raise pytest.UsageError(f"--server-model-path {path!r} is not a fixture checkpoint <family>-a")
+            families, root = [p.name[:-2]], str(p.parent)
+        else:
+            families = ["attached"]
+    return ModelCatalog(families, root, config.getoption("--server-checkpoint"), config.getoption("--tokenizer"))
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "server_case" not in metafunc.fixturenames:
+        return
+    params = []
+    for cfg in _configs(metafunc.config):
+        for name in _catalog(metafunc.config).names():
+            for scenario in SCENARIOS:
+                if scenario.needs_tp_baseline and (cfg.world == 1 or cfg is ATTACHED):
+                    continue
+                case = ServerCase(cfg, name, scenario)
+                # one xdist group per server: with `-n N --dist loadgroup` each server starts once
+                marks = [getattr(pytest.mark, cfg.tier), pytest.mark.server_scenario,
+                         pytest.mark.xdist_group(f"server-{cfg.id}-{name}")]
+                marks += [getattr(pytest.mark, m) for m in scenario.marks]
+                params.append(pytest.param(case, id=case.id, marks=marks))
+    metafunc.parametrize("server_case", params)
+
+
+class ServerPool:
+    """Servers started on demand, one per (config, model), stopped at session end."""
+
+    def __init__(self, config: pytest.Config):
+        self.pconfig = config
+        self.template = config.getoption("--server-cmd") or REFERENCE_TEMPLATE
+        self.url = config.getoption("--server-url")
+        self.api = config.getoption("--server-api")
+        self.start_timeout = config.getoption("--server-start-timeout")
+        self.timeout = config.getoption("--server-timeout")
+        self.catalog = _catalog(config)
+        self._servers: dict[tuple[str, str], ServerProcess] = {}
+        self._failed: dict[tuple[str, str], str] = {}
+        self._fresh: dict[tuple[str, str], list] = {}
+
+    def model(self, name: str) -> ServedModel:
+        try:
+            if name == "attached":  # a fixture checkpoint <family>-a, as the running server reports it
+                path = Path(make_dialect(self.api, self.url).model_path())
+                if not path.name.endswith("-a"):
+                    pytest.fail(f"the attached server serves {path}, not a fixture checkpoint <family>-a: pass "
+                                f"--server-checkpoint {path} (and --tokenizer) instead", pytrace=False)
+                self.catalog = ModelCatalog([path.name[:-2]], str(path.parent), [], None)
+                name = path.name[:-2]
+            return self.catalog.served(name)
+        except ModelError as exc:
+            pytest.fail(str(exc), pytrace=False)
+
+    def client(self, cfg: ServerConfig, model: ServedModel) -> ServerDialect:
+        key = (cfg.id, model.name)
+        if cfg is ATTACHED:
+            client = make_dialect(self.api, self.url)
+            if key not in self._fresh:
+                self._fresh[key] = fresh_outputs(client)
+            return client
+        if key in self._failed:
+            pytest.fail(f"server {key} failed to start earlier:\n{self._failed[key]}", pytrace=False)
+        server = self._servers.get(key)
+        if server is None or server.proc.poll() is not None:
+            try:
+                server = ServerProcess(self.template, self.start_timeout, model_path=model.a,
+                                       tokenizer_path=model.tokenizer, tp=cfg.tp, dp=cfg.dp, ep=cfg.ep,
+                                       device=cfg.device, api=self.api)
+            except ServerStartError as exc:
+                self._failed[key] = str(exc)
+                raise
+            self._servers[key] = server
+            client = make_dialect(self.api, server.url)
+            self._fresh[key] = fresh_outputs(client)
+            return client
+        return make_dialect(self.api, server.url)
+
+    def run(self, case: ServerCase, record_property=None) -> None:
+        reason = case.scenario.skip_reason(DIALECTS[self.api])
+        if reason:  # before starting a server for it
+            pytest.skip(reason)
+        model = self.model(case.model)
+        try:
+            truths = {s: self.catalog.truth(model, s) for s in ("a", "b")}
+        except ModelError as exc:
+            pytest.fail(str(exc), pytrace=False)
+        client = self.client(case.config, model)
+        baseline = self.client(case.config.single_rank(), model) if case.scenario.needs_tp_baseline else None
+        fresh = self._fresh.get((case.config.id, model.name))
+        result = run_scenario(case.scenario, client, model, truths, baseline, case.config.tp, self.timeout, fresh)
+        if record_property is not None:
+            record_property("server_api", self.api)
+            record_property("golden_tokens_compared", result.compared)
+            record_property("bound_ratio", round(result.worst_ratio, 4))
+
+    def stop_all(self) -> None:
+        for server in self._servers.values():
+            server.stop()
+        self._servers.clear()
+
+
+@pytest.fixture(scope="session")
+def server_pool(request: pytest.FixtureRequest):
+    pool = ServerPool(request.config)
+    yield pool
+    pool.stop_all()
