@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from conformance.rules import EngineUnavailable, engine_spec, load_engine  # noqa: E402
+from conformance.rules import EngineUnavailable, engine_spec, load_rules_engine  # noqa: E402
 from conformance.rules.matrix import (DEFAULT_PROFILE, MATRICES, load_matrix, load_profile,  # noqa: E402
                                         mismatch, run_case)
 from conformance.rules.oracle import AGREE, DISAGREE, NOT_APPLICABLE, tally  # noqa: E402
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = engine_spec(args.engine)
     start = time.perf_counter()
     try:
-        engine = load_engine(spec)
+        engine = load_rules_engine(spec)
     except EngineUnavailable as exc:
         print(f"engine {spec!r} unavailable: {exc}")
         return 2

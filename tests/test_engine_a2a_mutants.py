@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from conformance.engine_harness.a2a_prefill import PREFILL_CASES, prefill_failures
-from conformance.engine_harness.sglang import SGLangAdapter
+from conformance.engine_harness.sglang import SGLangLayerCode
 
 _CASES = {c.id: c for c in PREFILL_CASES}
 
@@ -64,7 +64,7 @@ MUTANTS = [  # (plant, case, check that must fail)
 
 @pytest.fixture(scope="module")
 def sglang_adapter():
-    adapter = SGLangAdapter()
+    adapter = SGLangLayerCode()
     reason = adapter.skip_reason()
     if reason:
         pytest.skip(reason)

@@ -86,10 +86,10 @@ def _always_rebind(module, name, new_value):
 
 
 def test_sglang_engine_runs_sglang_code():
-    from conformance.rules import EngineUnavailable, load_engine
+    from conformance.rules import EngineUnavailable, load_rules_engine
 
     try:
-        engine = load_engine("sglang")
+        engine = load_rules_engine("sglang")
     except EngineUnavailable as exc:
         pytest.skip(f"sglang engine unavailable: {exc}")
     fu = engine.fu

@@ -3,7 +3,7 @@
 
 Engine-neutral parts: :mod:`.standin` (emulator in place of ``flashinfer``), :mod:`.core` (adapter
 interface, scenario), :mod:`.checks`, :mod:`.cases`. One adapter module per engine
-(:mod:`.sglang_adapter`); select it with ``pytest --engine NAME|module:attr``. See docs/engine_harness.md.
+(:mod:`.sglang`); select it with ``pytest --engine NAME|module:attr``. See docs/engine_harness.md.
 """
 from __future__ import annotations
 
@@ -12,18 +12,22 @@ import os
 
 ENGINE_ENV_VAR = "NVFP4_HARNESS_ENGINE"
 DEFAULT_ENGINE = "sglang"
-BUILTIN_ENGINES = {"sglang": "conformance.engine_harness.sglang:SGLangAdapter"}
+BUILTIN_ENGINES = {"sglang": "conformance.engine_harness.sglang:SGLangLayerCode"}
 
 
 class EngineLoadError(RuntimeError):
     """The engine adapter named on the command line could not be imported."""
 
 
-def load_engine_adapter(spec: str | None = None):
+class NotALayerCodeEngine(EngineLoadError):
+    """``--engine module:attr`` names something else (e.g. only a :class:`RulesEngine`): the harness skips."""
+
+
+def load_layer_code_engine(spec: str | None = None):
     """Resolve ``spec`` (a built-in name or ``module:attr``; default ``$NVFP4_HARNESS_ENGINE`` or sglang) to
-    an :class:`~conformance.engine_harness.core.EngineAdapter` instance. Importing the adapter module must
+    a :class:`~conformance.interfaces.layer_code.LayerCodeEngine` instance. Importing the adapter module must
     not import the engine (the adapter's ``skip_reason`` reports a missing engine)."""
-    from conformance.engine_harness.core import EngineAdapter
+    from conformance.interfaces.layer_code import LayerCodeEngine
 
     spec = spec or os.environ.get(ENGINE_ENV_VAR) or DEFAULT_ENGINE
     target = BUILTIN_ENGINES.get(spec, spec)
@@ -35,6 +39,7 @@ def load_engine_adapter(spec: str | None = None):
     except (ImportError, AttributeError) as exc:
         raise EngineLoadError(f"cannot load engine adapter {target!r}: {exc}") from exc
     adapter = obj() if isinstance(obj, type) else obj
-    if not isinstance(adapter, EngineAdapter):
-        raise EngineLoadError(f"{target} is not an EngineAdapter")
+    if not isinstance(adapter, LayerCodeEngine):
+        raise NotALayerCodeEngine(f"{target} is not a LayerCodeEngine (conformance.interfaces.layer_code): "
+                                  f"the engine-harness tests have nothing to run")
     return adapter

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conformance.engine_harness import ENGINE_ENV_VAR, EngineLoadError, load_engine_adapter
+from conformance.engine_harness import ENGINE_ENV_VAR, EngineLoadError, NotALayerCodeEngine, load_layer_code_engine
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -12,15 +12,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--engine",
         default=None,
-        help=f"engine under the integration harness: a built-in name (sglang) or module:attr naming an "
-        f"EngineAdapter subclass (default: ${ENGINE_ENV_VAR} or 'sglang')",
+        help=f"engine under the integration harness: a built-in name (sglang) or module:attr naming "
+        f"a LayerCodeEngine subclass (default: ${ENGINE_ENV_VAR} or 'sglang')",
     )
 
 
 @pytest.fixture(scope="session")
 def engine_adapter(pytestconfig: pytest.Config):
     try:
-        adapter = load_engine_adapter(pytestconfig.getoption("--engine"))
+        adapter = load_layer_code_engine(pytestconfig.getoption("--engine"))
+    except NotALayerCodeEngine as exc:  # e.g. a RulesEngine: its rule tests run, these skip
+        pytest.skip(str(exc))
     except EngineLoadError as exc:
         raise pytest.UsageError(str(exc)) from exc
     reason = adapter.skip_reason()

@@ -6,7 +6,7 @@ This is the one engine-specific module of the harness; a vendor copies it for th
 
 * how SGLang selects the paths: ``SGLANG_FLASHINFER_CUTEDSL_NVFP4_W4A16`` and the FP4 GEMM / MoE runner
   backends (published through SGLang's runtime context, as its server does);
-* which names SGLang bound from ``flashinfer`` at import time (:meth:`SGLangAdapter._import_time_patches`);
+* which names SGLang bound from ``flashinfer`` at import time (:meth:`SGLangLayerCode._import_time_patches`);
 * what a CPU host lacks: a CPU kernel for the ``sglang::fp4_gemm`` custom op (SGLang registers it for CUDA
   only), and, on the W4A4 path, a Blackwell platform and ``Tensor.cuda()`` in its inline scale swizzle;
 * how SGLang's model loaders call the weight loaders (shard ids ``q/k/v``; ``w1/w2/w3`` with expert ids).
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from conformance.interfaces.kernel import DenseLayer
-from conformance.engine_harness.core import EngineAdapter, MoECheckpoint, Mode
+from conformance.engine_harness.core import LayerCodeEngine, MoECheckpoint, Mode
 from conformance.engine_harness.standin import AttrPatch, StandIn
 
 W4A16_ENV = "SGLANG_FLASHINFER_CUTEDSL_NVFP4_W4A16"
@@ -125,7 +125,7 @@ def _tensor_cuda_noop(self: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return self
 
 
-class SGLangAdapter(EngineAdapter):
+class SGLangLayerCode(LayerCodeEngine):
     name = "sglang"
     #: Findings of this harness on SGLang 0.5.23, by case id. The tests require these cases to keep
     #: failing (strict), so a fixed SGLang is noticed and the entry removed.

@@ -1,7 +1,7 @@
 """SGLang 0.5.23's FlashInfer-A2A eager-prefill path under the harness (see :mod:`.a2a_prefill`).
 
 The layer is SGLang's real ``FusedMoE`` with ``ModelOptNvFp4FusedMoEMethod``, built, loaded and post-processed
-by :class:`~conformance.engine_harness.sglang.SGLangAdapter` exactly as the MoE cases do. Then the
+by :class:`~conformance.engine_harness.sglang.SGLangLayerCode` exactly as the MoE cases do. Then the
 MoE A2A backend flag is switched to ``flashinfer`` and the quant method's runner is recreated, so SGLang's
 ``MoeRunner`` picks the fused function it registered for FlashInfer A2A; ``apply`` is called with the
 standard dispatch output the FlashInfer dispatcher's eager-prefill all-gather produces (the dispatcher itself

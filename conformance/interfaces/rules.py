@@ -9,7 +9,7 @@ state it touches (environment variables, module globals) before returning.
 
 Select one with ``pytest --engine NAME|module:attr`` or ``NVFP4_CONFORMANCE_ENGINE``; built-ins are
 ``reference`` and ``sglang`` (the real SGLang 0.5.23 code on CPU). The expected outcomes come from a rules
-profile (``--rules-profile``, default sglang-0.5.23). Matrices and outcomes: docs/config_rules.md.
+profile (``--rules-profile``, default sglang-0.5.23). Matrices and outcomes: docs/rules.md.
 
 The methods after ``reload_param`` were added with the rule profiles; they are optional: an engine that does
 not implement one reports that matrix as unsupported (its cases skip, naming the missing method).

@@ -9,7 +9,7 @@ import importlib
 import os
 
 from conformance.interfaces.rules import RulesEngine
-from conformance.rules._sglang_import import SglangUnavailable
+from conformance.rules._sglang_import import SGLangUnavailable
 
 ENGINE_ENV_VAR = "NVFP4_CONFORMANCE_ENGINE"
 DEFAULT_ENGINE = "reference"
@@ -31,7 +31,7 @@ def engine_spec(cli_value: str | None) -> str:
     return cli_value or os.environ.get(ENGINE_ENV_VAR) or DEFAULT_ENGINE
 
 
-def load_engine(spec: str) -> RulesEngine:
+def load_rules_engine(spec: str) -> RulesEngine:
     target = BUILTIN_ENGINES.get(spec, spec)
     if ":" not in target:
         raise EngineLoadError(f"unknown engine {spec!r}: use one of {sorted(BUILTIN_ENGINES)} or 'module:attr'")
@@ -39,13 +39,13 @@ def load_engine(spec: str) -> RulesEngine:
     try:
         module = importlib.import_module(module_name)
         obj = getattr(module, attr)
-    except SglangUnavailable as exc:
+    except SGLangUnavailable as exc:
         raise EngineUnavailable(str(exc)) from exc
     except (ImportError, AttributeError) as exc:
         raise EngineLoadError(f"cannot load engine {target!r}: {exc}") from exc
     try:
         engine = obj() if (isinstance(obj, type) or (callable(obj) and not isinstance(obj, RulesEngine))) else obj
-    except SglangUnavailable as exc:
+    except SGLangUnavailable as exc:
         raise EngineUnavailable(str(exc)) from exc
     if not isinstance(engine, RulesEngine):
         raise EngineLoadError(f"{target} produced {engine!r}, which is not a conformance.interfaces.rules.RulesEngine")

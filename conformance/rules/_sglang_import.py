@@ -21,7 +21,7 @@ import types
 SGLANG_VERSION = "0.5.23"
 
 
-class SglangUnavailable(RuntimeError):
+class SGLangUnavailable(RuntimeError):
     """SGLang (or one of its import-time dependencies) is not importable here."""
 
 
@@ -74,16 +74,16 @@ def _install_torchvision_placeholder() -> bool:
 
 
 def import_sglang_module(name: str) -> types.ModuleType:
-    """Import ``sglang.<...>`` on CPU; raises :class:`SglangUnavailable` with the cause if it cannot."""
+    """Import ``sglang.<...>`` on CPU; raises :class:`SGLangUnavailable` with the cause if it cannot."""
     if importlib.util.find_spec("sglang") is None:
-        raise SglangUnavailable(
+        raise SGLangUnavailable(
             f"sglang is not installed (pip install --no-deps -r ci/requirements-sglang.txt, sglang=={SGLANG_VERSION})"
         )
     _install_torchvision_placeholder()
     try:
         return importlib.import_module(name)
     except ImportError as exc:
-        raise SglangUnavailable(f"cannot import {name}: {type(exc).__name__}: {exc}") from exc
+        raise SGLangUnavailable(f"cannot import {name}: {type(exc).__name__}: {exc}") from exc
 
 
 def sglang_version() -> str:

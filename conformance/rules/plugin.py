@@ -3,7 +3,7 @@ which rules profile's expected outcomes they are judged by; ``rules_check``: run
 
 Selected by ``--engine NAME|module:attr`` (the option is shared with the integration harness plugin, which
 registers it: ``--engine sglang`` runs both against SGLang) or ``$NVFP4_CONFORMANCE_ENGINE``; default
-``reference``. A ``module:attr`` that is not a RulesEngine (e.g. a harness EngineAdapter) skips the rule cases.
+``reference``. A ``module:attr`` that is not a RulesEngine (e.g. a harness LayerCodeEngine) skips the rule cases.
 The profile: ``--rules-profile NAME`` or ``$NVFP4_RULES_PROFILE``, default sglang-0.5.23
 (fixtures/config_rules/profiles/). Each rule case records the engine (with its version) and the profile for
 the report (``--report-dir``).
@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import pytest
 
-from conformance.rules import EngineLoadError, EngineUnavailable, engine_spec, load_engine
+from conformance.rules import EngineLoadError, EngineUnavailable, engine_spec, load_rules_engine
 from conformance.rules.matrix import DEFAULT_PROFILE, RuleCase, check_case, load_profile, profile_names
 
 PROFILE_ENV_VAR = "NVFP4_RULES_PROFILE"
@@ -48,7 +48,7 @@ def rules_engine(request: pytest.FixtureRequest, rules_profile: str):
     requested = request.config.getoption("--engine", default=None)
     spec = engine_spec(requested)
     try:
-        engine = load_engine(spec)
+        engine = load_rules_engine(spec)
     except EngineUnavailable as exc:
         if requested:  # asked for by name: not being able to run it is a failure, not a skip
             pytest.fail(f"--engine {spec!r} was requested but cannot run here: {exc}", pytrace=False)

@@ -36,8 +36,8 @@ import torch
 
 from conformance.interfaces.rules import Inputs, RulesEngine
 from conformance.rules import _source
-from conformance.rules._sglang_import import SglangUnavailable, import_sglang_module, sglang_version
-from conformance.rules.sglang_paths import SglangPathRules
+from conformance.rules._sglang_import import SGLangUnavailable, import_sglang_module, sglang_version
+from conformance.rules.sglang_paths import SGLangPathRules
 
 _ENV_NAMES = {"w4a16": "SGLANG_FLASHINFER_CUTEDSL_NVFP4_W4A16", "nvfp4_dispatch": "SGLANG_MOE_NVFP4_DISPATCH"}
 _CAPABILITY = {"sm100": (10, 0), "sm90": (9, 0), "sm120": (12, 0), "sm121": (12, 1), "cpu": (0, 0)}
@@ -81,7 +81,7 @@ def _ns(**kw: Any) -> types.SimpleNamespace:
     return types.SimpleNamespace(**kw)
 
 
-class SglangRules(SglangPathRules, RulesEngine):
+class SGLangRules(SGLangPathRules, RulesEngine):
     name = "sglang"
     _environment = staticmethod(_environment)
 
@@ -324,9 +324,9 @@ class SglangRules(SglangPathRules, RulesEngine):
             cutedsl.refresh_cutedsl_standard_scales_for_weight_update(layer)
 
 
-def load() -> SglangRules:
-    """Factory used by the engine selector; raises SglangUnavailable if SGLang cannot be imported."""
-    return SglangRules()
+def load() -> SGLangRules:
+    """Factory used by the engine selector; raises SGLangUnavailable if SGLang cannot be imported."""
+    return SGLangRules()
 
 
-__all__ = ["SglangRules", "SglangUnavailable", "load"]
+__all__ = ["SGLangRules", "SGLangUnavailable", "load"]

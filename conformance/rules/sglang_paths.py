@@ -1,4 +1,4 @@
-"""The ``sglang`` engine's answers for the matrices added with the rule profiles (a mixin of SglangRules):
+"""The ``sglang`` engine's answers for the matrices added with the rule profiles (a mixin of SGLangRules):
 SGLang 0.5.23's own code on CPU.
 
 - moe_activation: a real ``ModelOptNvFp4FusedMoEMethod`` (``modelopt_fp4``) or ``ModelOptNvFp4OnlineFusedMoEMethod``
@@ -92,9 +92,9 @@ def _activations_seen(fi: _RecordingFlashInfer) -> dict[str, Any]:
             "fc2_input_scale": run["fc2_input_scale"] is not None}
 
 
-class SglangPathRules:
+class SGLangPathRules:
     """Mixin: expects ``self.mq``, ``self.fu``, ``self.common``, ``self.moe_utils``, ``self.runtime``,
-    ``self._environment`` and ``self._fp4_backend`` from SglangRules."""
+    ``self._environment`` and ``self._fp4_backend`` from SGLangRules."""
 
     # ---- CuTe DSL MoE runner ---------------------------------------------------------------------------------
 

@@ -1,0 +1,111 @@
+"""The layer-code interface: an engine whose real NVFP4 layer code runs under the harness
+(:mod:`conformance.engine_harness`) against the FlashInfer emulator, on any machine.
+
+A :class:`LayerCodeEngine` builds the engine's own layer objects, feeds checkpoint tensors through the engine's
+own weight loaders and post-load processing, and says which module-level names of the engine must point at the
+emulator (:class:`~conformance.engine_harness.standin.StandIn`). The harness runs the scenario (build, load,
+forward, reload, forward) and judges what it observed. The built-in one is SGLang's
+(:class:`conformance.engine_harness.sglang.SGLangLayerCode`); select one with ``--engine NAME|module:attr``.
+Not to be confused with :class:`conformance.interfaces.rules.RulesEngine`, an engine's configuration rules.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from conformance.engine_harness.standin import StandIn
+from conformance.interfaces.kernel import DenseLayer, MoEExperts
+
+Mode = Literal["w4a16", "w4a4"]
+
+
+@dataclass(frozen=True)
+class MoECheckpoint:
+    """A MoE layer's checkpoint across all ``num_global_experts`` experts (what every EP rank's loader
+    sees), and which slice this rank owns. ``gate/up/down`` are lists per global expert of
+    (packed, linear block scale, weight_scale_2, input_scale)."""
+
+    gate: tuple
+    up: tuple
+    down: tuple
+    hidden: int
+    intermediate: int
+    top_k: int
+    ep_rank: int
+    ep_size: int
+
+    @property
+    def num_global_experts(self) -> int:
+        return len(self.gate)
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_global_experts // self.ep_size
+
+    def local_experts(self) -> MoEExperts:
+        """This rank's experts in the reference's form (halves ``[gate; up]``, scales ``[E, 2]``)."""
+        lo = self.ep_rank * self.num_local_experts
+        sel = range(lo, lo + self.num_local_experts)
+        g, u, d = ([part[e] for e in sel] for part in (self.gate, self.up, self.down))
+        return MoEExperts(
+            w13=torch.stack([torch.cat((gi[0], ui[0])) for gi, ui in zip(g, u)]),
+            w13_scale=torch.stack([torch.cat((gi[1], ui[1])) for gi, ui in zip(g, u)]),
+            w13_scale_2=torch.stack([torch.stack((gi[2], ui[2])) for gi, ui in zip(g, u)]).float(),
+            w2=torch.stack([di[0] for di in d]),
+            w2_scale=torch.stack([di[1] for di in d]),
+            w2_scale_2=torch.stack([di[2] for di in d]).float(),
+            num_global_experts=self.num_global_experts,
+            ep_rank=self.ep_rank,
+            ep_size=self.ep_size,
+        )
+
+
+class LayerCodeEngine(abc.ABC):
+    """One engine under the harness. All methods run inside :meth:`stand_in` (the emulator active)."""
+
+    name: str = "engine"
+
+    @abc.abstractmethod
+    def skip_reason(self) -> str | None:
+        """``None`` when the engine can be exercised here, else why not (e.g. not installed)."""
+
+    @abc.abstractmethod
+    def stand_in(self, mode: Mode, kind: Literal["dense", "moe"], modules: dict, ckpt: Any) -> StandIn:
+        """A :class:`StandIn` installing ``modules`` (the emulator's module tree, prepared by the harness)
+        for ``mode``, plus the engine's own settings (env, backend selection, parallel layout for ``ckpt``)
+        and patches pointing the names it bound from ``flashinfer`` at import time at ``modules``' functions."""
+
+    # dense -------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def build_dense(self, ckpt: DenseLayer, mode: Mode) -> Any:
+        """The engine's real linear layer for ``ckpt``'s shapes (weights created, not loaded)."""
+
+    @abc.abstractmethod
+    def load_dense(self, layer: Any, ckpt: DenseLayer) -> None:
+        """Feed the checkpoint tensors through the engine's own weight loaders (per fused shard)."""
+
+    @abc.abstractmethod
+    def forward_dense(self, layer: Any, x: torch.Tensor) -> torch.Tensor: ...
+
+    # moe ---------------------------------------------------------------------------------------
+    def build_moe(self, ckpt: "MoECheckpoint", mode: Mode) -> Any:
+        raise NotImplementedError(f"{self.name}: no MoE integration")
+
+    def load_moe(self, layer: Any, ckpt: "MoECheckpoint") -> None:
+        raise NotImplementedError(f"{self.name}: no MoE integration")
+
+    def forward_moe(self, layer: Any, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError(f"{self.name}: no MoE integration")
+
+    # shared ------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def post_load(self, layer: Any) -> None:
+        """The engine's post-load processing (``process_weights_after_loading`` or its equivalent)."""
+
+    @abc.abstractmethod
+    def graph_captured_params(self, layer: Any) -> dict[str, torch.Tensor]:
+        """The tensors a captured CUDA graph reads (prepared weights, scales, alphas): the contract says a
+        same-shape reload keeps each of them the same object at the same address (SPEC section 6)."""
