@@ -121,6 +121,28 @@ def test_release_resume_cycle_through_dialect(url, root, reference, name):
 
 
 @pytest.mark.parametrize("name", WITH_WEIGHTS)
+def test_a_scenario_failing_half_way_leaves_the_server_serving(url, root, reference, name):
+    """A scenario that fails after releasing memory (or, through vllm, inside a pause) must not leave the
+    server refusing every later scenario's requests: run_scenario restores serving before reporting."""
+    from conformance.server.models import ModelCatalog
+    from conformance.server.scenarios import Scenario, run_scenario
+
+    d = make_dialect(name, url)
+
+    def fails_half_way(ctx):
+        ctx.client.release_memory()
+        if name == "vllm":
+            ctx.client._ok(ctx.client._call("POST", "/pause", params={"mode": "abort"}), "/pause")
+        raise AssertionError("planted failure half-way")
+
+    model = ModelCatalog([], None, [], None).served("dense-nvfp4_awq")
+    with pytest.raises(AssertionError, match="planted failure half-way"):
+        run_scenario(Scenario("fails_half_way", fails_half_way, needs=("release_memory",)), d, model, {}, timeout_s=30)
+    assert d.reload_weights(str(root / "dense-nvfp4_awq-a")).success  # released weights come back zeroed
+    assert tokens(d.generate(PROMPTS, GREEDY)) == tokens(reference[GREEDY])
+
+
+@pytest.mark.parametrize("name", WITH_WEIGHTS)
 def test_generation_during_reload_completes(url, root, reference, name):
     """Requests sent while a reload runs all complete, each equal to the old or the new weights' output
     (through vLLM's sequence the dialect retries the 503 its own pause causes)."""

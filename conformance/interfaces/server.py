@@ -108,6 +108,16 @@ class ServerDialect(abc.ABC):
     def flush_cache(self) -> None:
         raise self._unsupported("flush_cache")
 
+    def restore_serving(self) -> None:
+        """Best effort, after a scenario failed half-way: leave the server generating again (nothing released,
+        nothing paused), so one failure does not turn every later scenario on the same server into a failure
+        for the wrong reason. Errors are swallowed: the failure being reported is the scenario's. The default
+        resumes all memory where the dialect can; dialects with more state (a pause) add to it."""
+        try:
+            self.resume_memory(None)
+        except (AssertionError, DialectUnsupported, ValueError):
+            pass
+
     # ------------------------------------------------------------------ HTTP
     def _unsupported(self, operation: str) -> DialectUnsupported:
         return DialectUnsupported(self.name, operation, self.unsupported.get(operation, "no endpoint for it"))

@@ -166,6 +166,13 @@ class VLLMDialect(OpenAIDialect):
     def _completion_body(self, prompts: Sequence[str], spec: SamplingSpec) -> dict:
         return super()._completion_body(prompts, spec) | {"return_tokens_as_token_ids": True}
 
+    def restore_serving(self) -> None:
+        super().restore_serving()  # /wake_up
+        try:
+            self._ok(self._call("POST", "/resume"), "/resume")
+        except AssertionError:
+            pass
+
     def _generation(self, choice: dict) -> Generation:
         g = super()._generation(choice)
         tokens = choice["logprobs"].get("tokens")

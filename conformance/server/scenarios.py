@@ -31,6 +31,7 @@ from conformance.server.models import ServedModel
 GREEDY_SPEC = SamplingSpec(GREEDY["max_new_tokens"], GREEDY["temperature"], ignore_eos=GREEDY["ignore_eos"])
 SEEDED_SPEC = SamplingSpec(8, temperature=0.8, top_p=0.95, seed=1234)
 RELOAD = ("reload_weights",)
+RESTORE_TIMEOUT_S = 20.0  # after a failed scenario: bring the server back to serving, whatever the deadline left
 RELEASE_RESUME = ("reload_weights", "release_memory", "resume_memory")
 
 
@@ -346,6 +347,11 @@ def run_scenario(scenario: Scenario, client: ServerDialect, model: ServedModel, 
                           baseline.with_deadline(deadline) if baseline else None, tp, fresh, scenario.id)
     try:
         scenario.run(ctx)
+    except Exception:
+        recovery = client.with_deadline(Deadline(RESTORE_TIMEOUT_S, f"restoring the server after {scenario.id}"))
+        recovery.restore_serving()
+        recovery.close()
+        raise
     finally:
         ctx.client.close()
         if ctx.baseline:
