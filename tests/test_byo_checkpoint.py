@@ -48,6 +48,26 @@ def _run_suite(tmp: Path, *args: str, timeout: float = 900) -> subprocess.Comple
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def assert_suite_passes_and_leaves_checkpoint_untouched(tmp: Path, ckpt: Path, extra: list[str]) -> None:
+    """Every TP1 scenario passes (none skipped) on ``ckpt``, made read-only for the run, and its files'
+    contents and modification times are what they were; the suite leaves no work directory behind."""
+    before = _state(ckpt)
+    _read_only(ckpt, True)
+    try:
+        r = _run_suite(tmp, "--server-checkpoint", str(ckpt), *extra)
+    finally:
+        _read_only(ckpt, False)
+    report = r.stdout[-4000:] + r.stderr[-2000:]
+    assert r.returncode == 0, report
+    assert f"{SCENARIOS_RUN} passed" in r.stdout and "skipped" not in r.stdout, report
+    _read_only(ckpt, True)  # restore the exact permissions before comparing metadata
+    _read_only(ckpt, False)
+    after = _state(ckpt)
+    assert {k: v[3] for k, v in after.items()} == {k: v[3] for k, v in before.items()}, "contents changed"
+    assert {k: v[2] for k, v in after.items()} == {k: v[2] for k, v in before.items()}, "modification times changed"
+    assert not list(tmp.glob("nvfp4-server-suite-*")), "the suite left its work directory behind"
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("byo")
@@ -62,21 +82,7 @@ def exported(tmp_path_factory) -> dict[str, Path]:
 def test_scenarios_on_an_independent_checkpoint(exported, tmp_path, variant):
     ckpt = exported["with_tokenizer" if variant == "own-tokenizer" else "plain"]
     extra = [] if variant == "own-tokenizer" else ["--tokenizer", str(exported["tokenizer"])]
-    before = _state(ckpt)
-    _read_only(ckpt, True)
-    try:
-        r = _run_suite(tmp_path, "--server-checkpoint", str(ckpt), *extra)
-    finally:
-        _read_only(ckpt, False)
-    report = r.stdout[-4000:] + r.stderr[-2000:]
-    assert r.returncode == 0, report
-    assert f"{SCENARIOS_RUN} passed" in r.stdout and "skipped" not in r.stdout, report
-    _read_only(ckpt, True)  # restore the exact permissions before comparing metadata
-    _read_only(ckpt, False)
-    after = _state(ckpt)
-    assert {k: v[3] for k, v in after.items()} == {k: v[3] for k, v in before.items()}, "contents changed"
-    assert {k: v[2] for k, v in after.items()} == {k: v[2] for k, v in before.items()}, "modification times changed"
-    assert not list(tmp_path.glob("nvfp4-server-suite-*")), "the suite left its work directory behind"
+    assert_suite_passes_and_leaves_checkpoint_untouched(tmp_path, ckpt, extra)
 
 
 def test_missing_tokenizer_is_a_clear_error_at_start(exported, tmp_path):

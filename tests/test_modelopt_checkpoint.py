@@ -21,7 +21,7 @@ pytest.importorskip("modelopt.torch.export", reason="needs nvidia-modelopt (inst
 pytest.importorskip("transformers", reason="needs transformers (the [test] extra, ci/install-test-deps.sh)")
 
 from tests import byo_exporter, modelopt_exporter  # noqa: E402
-from tests.test_byo_checkpoint import _read_only, _run_suite, _state  # noqa: E402
+from tests.test_byo_checkpoint import _state, assert_suite_passes_and_leaves_checkpoint_untouched  # noqa: E402
 from tests.test_checkpoints import GAIN, PROMPT, fp32_stages, transformers_model  # noqa: E402
 
 EXPORTS = {  # name: (arch, algo, options)
@@ -117,18 +117,4 @@ def test_scenarios_on_a_real_modelopt_export(exports, tmp_path, name, variant):
         shutil.copytree(exports[name], ckpt)
         shutil.copyfile(exports["tokenizer"] / "tokenizer.json", ckpt / "tokenizer.json")
         extra = []
-    before = _state(ckpt)
-    _read_only(ckpt, True)
-    try:
-        r = _run_suite(tmp_path, "--server-checkpoint", str(ckpt), *extra)
-    finally:
-        _read_only(ckpt, False)
-    report = r.stdout[-4000:] + r.stderr[-2000:]
-    assert r.returncode == 0, report
-    assert "7 passed" in r.stdout and "skipped" not in r.stdout, report
-    _read_only(ckpt, True)  # restore the exact permissions before comparing metadata
-    _read_only(ckpt, False)
-    after = _state(ckpt)
-    assert {k: v[3] for k, v in after.items()} == {k: v[3] for k, v in before.items()}, "contents changed"
-    assert {k: v[2] for k, v in after.items()} == {k: v[2] for k, v in before.items()}, "modification times changed"
-    assert not list(tmp_path.glob("nvfp4-server-suite-*")), "the suite left its work directory behind"
+    assert_suite_passes_and_leaves_checkpoint_untouched(tmp_path, ckpt, extra)
