@@ -1,13 +1,16 @@
 #!/usr/bin/env python3
-"""Time the self-tests' CPU tier and print the time per test file.
+"""Time the self-tests' CPU tier and print the time per test file, in two runs with a budget each.
 
-Runs ``python -m pytest tests -n 2`` restricted to the CPU tier (every GPU tier marker deselected), records a JUnit
-XML report, and prints one row per test file: tests, passed/failed/skipped, and the seconds its tests took (setup +
-call + teardown, summed over the xdist workers), then the whole run's wall time. Exits non-zero when the wall time
-exceeds ``--budget`` seconds, when a test fails, or when nothing was collected.
+Runs ``python -m pytest tests -n 2`` restricted to the CPU tier (every GPU tier marker deselected) twice: the unit
+self-tests (``not integration``: the reference against its oracles, every check against its mutants, in process)
+and the integration self-tests (marker ``integration``: they start reference and mutant servers or whole
+pytest/gate runs, so each costs seconds of process start-up). Each run records a JUnit XML report and prints one
+row per test file: tests, passed/failed/skipped, and the seconds its tests took (setup + call + teardown, summed
+over the xdist workers), then the run's wall time. Exits non-zero when a run's wall time exceeds its budget, when a
+test fails, or when nothing was collected.
 
-    python ci/time_tests.py                 # budget 120 s
-    python ci/time_tests.py --budget 60 -- -k oracles
+    python ci/time_tests.py                               # budgets: unit 120 s, integration 360 s
+    python ci/time_tests.py --only unit --budget 60 -- -k oracles
 """
 from __future__ import annotations
 
@@ -79,41 +82,55 @@ def format_table(per_file: dict[str, FileTiming], wall: float, workers: int) -> 
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--budget", type=float, default=120.0, help="maximum wall seconds (default 120)")
-    parser.add_argument("--workers", type=int, default=2, help="pytest-xdist workers (default 2)")
-    parser.add_argument("--paths", nargs="+", default=["tests"], help="test paths (default: tests)")
-    parser.add_argument("--junit", type=Path, help="keep the JUnit XML here")
-    parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
-    args = parser.parse_args(argv)
+RUNS = {"unit": "not integration", "integration": "integration"}
 
+
+def run_once(kind: str, budget: float, args: argparse.Namespace) -> list[str]:
+    """One pytest run of the ``kind`` self-tests; the problems found (empty: within budget and green)."""
     with tempfile.TemporaryDirectory() as tmp:
-        junit = args.junit or Path(tmp) / "junit.xml"
-        cmd = [sys.executable, "-m", "pytest", *args.paths, "-n", str(args.workers), "-m", CPU_TIER_EXPRESSION,
+        junit = (args.junit.with_name(f"{args.junit.stem}-{kind}{args.junit.suffix}") if args.junit
+                 else Path(tmp) / "junit.xml")
+        marks = f"({CPU_TIER_EXPRESSION}) and {RUNS[kind]}"
+        cmd = [sys.executable, "-m", "pytest", *args.paths, "-n", str(args.workers), "-m", marks,
                f"--junitxml={junit}", "-o", "junit_family=xunit1", "-q", "-p", "no:cacheprovider", *args.pytest_args]
-        print("running:", " ".join(cmd), flush=True)
+        print(f"[{kind}] running:", " ".join(cmd), flush=True)
         start = time.perf_counter()
         proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ), capture_output=True, text=True)
         wall = time.perf_counter() - start
         summary = [ln for ln in proc.stdout.splitlines() if ln.strip()][-1:] or ["(no pytest output)"]
         if not junit.is_file():
             print(proc.stdout[-4000:], proc.stderr[-4000:], sep="\n")
-            print(f"FAIL: pytest wrote no JUnit report (exit code {proc.returncode})")
-            return 1
+            return [f"{kind}: pytest wrote no JUnit report (exit code {proc.returncode})"]
         per_file = parse_junit(junit)
 
     print(format_table(per_file, wall, args.workers))
-    print("pytest:", summary[0])
+    print(f"[{kind}] pytest:", summary[0])
     problems = []
     if proc.returncode == 5 or not per_file:
-        problems.append("no tests collected")
+        problems.append(f"{kind}: no tests collected")
     elif proc.returncode != 0:
-        problems.append(f"pytest exit code {proc.returncode} (failures above)")
+        problems.append(f"{kind}: pytest exit code {proc.returncode} (failures above)")
         print(proc.stdout[-6000:])
-    if wall > args.budget:
-        problems.append(f"wall time {wall:.1f} s exceeds the budget of {args.budget:.0f} s")
-    print("FAIL: " + "; ".join(problems) if problems else f"OK: {wall:.1f} s within the budget of {args.budget:.0f} s")
+    if wall > budget:
+        problems.append(f"{kind}: wall time {wall:.1f} s exceeds the budget of {budget:.0f} s")
+    print(f"[{kind}] " + ("FAIL: " + "; ".join(problems) if problems else f"OK: {wall:.1f} s within the budget of {budget:.0f} s"))
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--budget", type=float, default=120.0, help="maximum wall seconds of the unit run (default 120)")
+    parser.add_argument("--integration-budget", type=float, default=360.0,
+                        help="maximum wall seconds of the integration run (default 360)")
+    parser.add_argument("--only", choices=sorted(RUNS), help="time one of the two runs only")
+    parser.add_argument("--workers", type=int, default=2, help="pytest-xdist workers (default 2)")
+    parser.add_argument("--paths", nargs="+", default=["tests"], help="test paths (default: tests)")
+    parser.add_argument("--junit", type=Path, help="keep the JUnit XML here (one file per run: <stem>-unit.xml...)")
+    parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
+    args = parser.parse_args(argv)
+    budgets = {"unit": args.budget, "integration": args.integration_budget}
+    problems = [p for kind in RUNS if args.only in (None, kind) for p in run_once(kind, budgets[kind], args)]
+    print("FAIL: " + "; ".join(problems) if problems else "OK: every run green and within its budget")
     return 1 if problems else 0
 
 

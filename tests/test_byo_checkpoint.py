@@ -19,6 +19,8 @@ import torch
 
 from tests import byo_exporter
 
+pytestmark = pytest.mark.integration  # starts servers or whole pytest runs (ci/time_tests.py times them apart)
+
 REPO = Path(__file__).resolve().parents[1]
 SCENARIOS_RUN = 7  # every scenario at TP1 (tp_agreement needs TP > 1)
 

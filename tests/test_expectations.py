@@ -17,6 +17,8 @@ import pytest
 
 from conformance._framework.expectations import Expectation, ExpectationFileError, in_scope, load_expectations
 
+pytestmark = pytest.mark.integration  # starts servers or whole pytest runs (ci/time_tests.py times them apart)
+
 REPO = Path(__file__).resolve().parent.parent
 GATE = REPO / "ci" / "run_conformance.py"
 

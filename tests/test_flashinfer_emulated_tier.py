@@ -16,6 +16,8 @@ import pytest
 
 from conformance._framework.reporting import EMULATED_B200_TIER, EMULATED_VERDICT_NOTE
 
+pytestmark = pytest.mark.integration  # starts servers or whole pytest runs (ci/time_tests.py times them apart)
+
 pytest_plugins = ["pytester"]
 
 REPO = Path(__file__).resolve().parent.parent

@@ -33,6 +33,7 @@ def test_rules_engine_is_not_a_layer_code_engine() -> None:
         load_layer_code_engine("conformance.rules.reference:ReferenceRules")
 
 
+@pytest.mark.integration
 def test_engine_option_naming_rules_only_skips_the_harness_with_the_reason() -> None:
     cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
            "conformance/engine_harness/test_engine_integration.py", "conformance/rules/test_lm_head_guard.py",

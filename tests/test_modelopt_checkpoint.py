@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.integration  # starts servers or whole pytest runs (ci/time_tests.py times them apart)
+
 pytest.importorskip("modelopt.torch.export", reason="needs nvidia-modelopt (installed by ci/install-test-deps.sh)")
 pytest.importorskip("transformers", reason="needs transformers (the [test] extra, ci/install-test-deps.sh)")
 

@@ -21,6 +21,8 @@ import pytest
 
 from conformance._framework.reporting import area_of, merge_summaries, render_markdown, table_rows
 
+pytestmark = pytest.mark.integration  # starts servers or whole pytest runs (ci/time_tests.py times them apart)
+
 REPO = Path(__file__).resolve().parent.parent
 GATE = REPO / "ci" / "run_conformance.py"
 MUTANT = "tests.mutants.report_mutant:NoDecodeScaleMutant"

@@ -17,6 +17,8 @@ from conformance.server.dialects import DIALECTS
 from fixtures.make_checkpoints import ensure_checkpoints
 from tests.live_reference_server import live_reference_server
 
+pytestmark = pytest.mark.integration  # starts servers or whole pytest runs (ci/time_tests.py times them apart)
+
 REPO = Path(__file__).resolve().parents[1]
 TWO_SCENARIOS = "repeated_requests_deterministic or reload_different_weights"
 

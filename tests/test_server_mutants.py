@@ -17,6 +17,8 @@ from conformance.server.launcher import ServerProcess
 from conformance.server.models import ModelCatalog
 from conformance.server.scenarios import SCENARIOS, SCENARIOS_BY_ID, fresh_outputs, run_scenario
 
+pytestmark = pytest.mark.integration  # starts servers or whole pytest runs (ci/time_tests.py times them apart)
+
 MUTANT_SCRIPT = Path(__file__).resolve().parent / "mutant_servers.py"
 TEMPLATE = ("{python} %s --mutant {mutant} --model-path {model_path} --tokenizer-path {tokenizer_path} --port {port} "
             "--tp {tp} --device cpu" % MUTANT_SCRIPT)

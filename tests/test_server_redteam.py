@@ -18,6 +18,8 @@ from conformance.server.launcher import ServerProcess
 from conformance.server.models import ModelCatalog
 from conformance.server.scenarios import SCENARIOS_BY_ID, fresh_outputs, run_scenario
 
+pytestmark = pytest.mark.integration  # starts servers or whole pytest runs (ci/time_tests.py times them apart)
+
 SCRIPT = Path(__file__).resolve().parent / "redteam_servers.py"
 TEMPLATE = ("{python} %s --bug {bug} --model-path {model_path} --tokenizer-path {tokenizer_path} --port {port} "
             "--tp {tp} --device cpu" % SCRIPT)

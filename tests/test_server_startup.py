@@ -17,6 +17,8 @@ import pytest
 from conformance.server.launcher import REFERENCE_TEMPLATE, ServerProcess, ServerStartError
 from conformance.server.models import ModelCatalog
 
+pytestmark = pytest.mark.integration  # starts servers or whole pytest runs (ci/time_tests.py times them apart)
+
 LIMIT_S = 15.0
 CONFIGS = [pytest.param("cpu", 1, marks=pytest.mark.cpu, id="cpu-tp1"),
            pytest.param("cpu", 2, marks=pytest.mark.cpu, id="cpu-tp2"),

@@ -75,6 +75,7 @@ def test_unknown_profile_is_an_error_naming_the_known_ones():
         ReferenceRules("sglang-9.9")
 
 
+@pytest.mark.integration
 def test_report_names_rules_engine_and_profile(tmp_path):
     """A run with --report-dir records the rules engine (with version) and the profile, in summary.json and
     in report.md; the main-only expectations pass under --rules-profile sglang-main."""
