@@ -312,7 +312,11 @@ def check_within_error_bound_figures(run: DenseRun) -> ErrorFigures:
 
 def failing_checks(backend: Backend, case: DenseCase) -> dict[str, str]:
     """Run every named check on one case; ``{check name: first line of its failure}`` for those that fail."""
-    run = run_dense_case(backend, case)
+    return failing_checks_of_run(run_dense_case(backend, case), backend)
+
+
+def failing_checks_of_run(run: DenseRun, backend: Backend) -> dict[str, str]:
+    """:func:`failing_checks` on a run already made (its figures stay available to the caller)."""
     failures = {}
     for name, check in NAMED_CHECKS.items():
         try:
