@@ -88,14 +88,19 @@ def fp32_stages(cfg) -> int:
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("algo", ALGOS)
 def test_reference_model_matches_transformers(ckpt_root, arch, algo):
-    ckpt = load_checkpoint(ckpt_root / checkpoint_name(arch, algo, "a"))
+    assert_matches_transformers(load_checkpoint(ckpt_root / checkpoint_name(arch, algo, "a")), f"{arch}/{algo}")
+
+
+def assert_matches_transformers(ckpt, label: str) -> None:
+    """Our model's exact mode vs transformers' own model class on the checkpoint's float64-dequantized weights,
+    within the bound derived in this module's docstring."""
     cfg = validate_checkpoint(ckpt)
     ours = TinyModel(cfg, shard_weights(cfg, ckpt.tensors), act_dtype=torch.float64).logits([PROMPT])
     with torch.no_grad():
         theirs = transformers_model(ckpt)(PROMPT[None]).logits[0]
     bound = fp32_stages(cfg) * GAIN * 2.0 ** -24 * float(theirs.abs().max())
     err = float((ours - theirs).abs().max())
-    assert err <= bound, f"{arch}/{algo}: max |logit difference| {err:.3e} > derived bound {bound:.3e}"
+    assert err <= bound, f"{label}: max |logit difference| {err:.3e} > derived bound {bound:.3e}"
 
 
 @pytest.mark.parametrize("arch", ARCHS)

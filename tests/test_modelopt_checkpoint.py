@@ -24,7 +24,7 @@ pytest.importorskip("transformers", reason="needs transformers (the [test] extra
 
 from tests import byo_exporter, modelopt_exporter  # noqa: E402
 from tests.test_byo_checkpoint import _state, assert_suite_passes_and_leaves_checkpoint_untouched  # noqa: E402
-from tests.test_checkpoints import GAIN, PROMPT, fp32_stages, transformers_model  # noqa: E402
+from tests.test_checkpoints import assert_matches_transformers  # noqa: E402
 
 EXPORTS = {  # name: (arch, algo, options)
     "llama-nvfp4_awq-sharded": ("llama", "NVFP4_AWQ", {"shard_size": "200KB"}),
@@ -67,16 +67,8 @@ def test_reference_reads_real_exports_as_transformers_does(exports, name):
     1/sqrt(fan_in) scale that derivation assumes, and measured errors are a tenth of the bound). A misread AWQ
     fold, tied head, rotary base or expert layout moves logits by O(0.1)."""
     from reference_impl.checkpoint import load_checkpoint
-    from reference_impl.model import TinyModel, shard_weights, validate_checkpoint
 
-    ckpt = load_checkpoint(exports[name])
-    cfg = validate_checkpoint(ckpt)
-    ours = TinyModel(cfg, shard_weights(cfg, ckpt.tensors), act_dtype=torch.float64).logits([PROMPT])
-    with torch.no_grad():
-        theirs = transformers_model(ckpt)(PROMPT[None]).logits[0]
-    bound = fp32_stages(cfg) * GAIN * 2.0 ** -24 * float(theirs.abs().max())
-    err = float((ours - theirs).abs().max())
-    assert err <= bound, f"{name}: max |logit difference| {err:.3e} > derived bound {bound:.3e}"
+    assert_matches_transformers(load_checkpoint(exports[name]), name)
 
 
 @pytest.mark.parametrize("options,message", [
