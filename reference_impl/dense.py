@@ -1,4 +1,4 @@
-"""W4A16 dense linear: BF16 activations times an NVFP4 weight, SPEC.md section 2.
+"""W4A16 dense linear: BF16 activations times an NVFP4 weight (the contract: docs/dense.md).
 
 ``y = ((x * pre_quant_scale) @ dequant(W)^T) * alpha + bias`` where ``alpha`` is the weight decode scale
 only (``max(weight_scale_2)`` over fused shards, as engines fold one alpha per layer). Under W4A4 alpha
@@ -14,13 +14,15 @@ How the reference evaluates it (the "BF16-dequant reference", :func:`prepare_w4a
   computes, at tensor-core speed. On CUDA (torch >= 2.8) it is one cuBLAS call with the epilogue fused:
   ``torch.addmm(bias, x, W^T, alpha=alpha)`` with a bf16 output (:func:`_addmm_bf16_out`: ``alpha * acc +
   bias`` in fp32, one conversion to bf16) when the output is bf16 and the bias bf16 or absent, otherwise
-  ``torch.addmm(..., out_dtype=torch.float32)`` and one cast. Where the fp32-output overload is missing
-  (CPU torch, older CUDA torch) the fallback is an fp32 ``addmm`` on the exactly upcast weight: the same
-  arithmetic at fp32 FMA speed (small layers keep the upcast; large ones upcast one row chunk at a time).
-  Folding alpha and bias into the GEMM epilogue rounds at most as often as a separate multiply and add,
-  which the bound counts (``conformance/dense/bounds.py``, term 2: ``K + 2`` roundings).
+  ``torch.addmm(..., out_dtype=torch.float32)`` and one cast. Everywhere else (CPU, or a CUDA torch without
+  the fp32-output overload) the accumulator is :func:`reference_impl.exact_dot.exact_matmul_fp32`: the
+  exact sum of the exact products, rounded to fp32 (fp64 GEMMs on exact slices of ``x``; small layers keep
+  the fp64 upcast of ``W``, large ones upcast one row chunk at a time), then ``* alpha`` and ``+ bias`` in
+  fp32, one rounding each. Folding alpha and bias into the GEMM epilogue rounds at most as often as a
+  separate multiply and add, which the bound counts (``conformance/dense/bounds.py``, term 2: ``K + 2``
+  roundings); the exact accumulator rounds once instead of up to ``K`` times.
 * AWQ: ``x' = x * pre_quant_scale`` is formed exactly in fp32 (bf16 x bf16 = 16 significant bits), as
-  SPEC section 2 defines it. A bf16 GEMM cannot take 16-bit operands, so ``x'`` is split exactly into
+  docs/dense.md defines it. A bf16 GEMM cannot take 16-bit operands, so ``x'`` is split exactly into
   ``hi + lo`` (``hi = bf16(x')``, ``lo = x' - hi``: a 16-bit value minus its 8-bit rounding has at most 8
   significant bits, so ``lo`` is a bf16 too) and both halves go through the GEMM into the same fp32
   output (a second ``addmm`` with ``beta = 1``). That is a fp32 sum of ``2K`` exact products: its error is
@@ -29,13 +31,24 @@ How the reference evaluates it (the "BF16-dequant reference", :func:`prepare_w4a
   (``conformance/dense/bounds.py``).
 * One rounding to the output dtype at the end.
 
+Determinism, by construction (``run_w4a16_linear`` on the same prepared layer and input gives the same bits,
+whatever the load, the thread count or the BLAS): on the exact path no sum depends on an order (see
+:mod:`reference_impl.exact_dot`: a CPU BLAS may choose its K-sum order per call, oneMKL by thread count and
+``MKL_DYNAMIC``, so an fp32 ``addmm`` is not reproducible there). On CUDA, one cuBLAS call per GEMM (two for
+AWQ, in a fixed order); cuBLAS documents bitwise-identical results from run to run on GPUs of the same
+architecture and SM count with the same toolkit (its exceptions -- atomics-mode routines, several streams
+sharing one handle without a fixed workspace -- are not used here), whatever kernel or split-K its heuristic
+picks for a shape, and split-K partial sums stay fp32 (``allow_bf16_reduced_precision_reduction`` is off for
+the bf16-out call). Results may differ between a CPU and a GPU, or between GPU models: each is within the bound.
+
 Measured on an H200 (``benchmarks/bench_dense.py``): 0.93x-1.09x of a BF16 ``torch.matmul`` of the same
 shape at every LLM shape of the cuda tier and M in {1, 16, 256, 4096}.
 
 Memory: the prepared layer holds one bf16 copy of ``W`` (``2 N K`` bytes) next to the checkpoint bytes
 (decoding it needs one more chunk of temporaries, ``nvfp4.DECODE_CHUNK_ELEMENTS``); a call allocates its
-output (fp32 on the unfused paths; AWQ: also the two bf16 halves of ``x'``; CPU fallback: an fp32 weight
-chunk of ``_CHUNK_ELEMENTS``, or the kept fp32 upcast of a layer no larger than that). The fp64 evaluation
+output (fp32 on the unfused paths; AWQ: also the two bf16 halves of ``x'``; exact path: an fp64 weight
+chunk of ``_CHUNK_ELEMENTS`` and the fp64 slices of ``x``, or the kept fp64 upcast of a layer no larger than
+that). The fp64 evaluation
 (:func:`w4a16_linear_exact`, ``accum_dtype=torch.float64``) decodes ``_CHUNK_ELEMENTS`` weights at a time.
 """
 from __future__ import annotations
@@ -44,6 +57,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .exact_dot import exact_matmul, exact_matmul_fp32
 from .nvfp4 import BLOCK_SIZE, codes_times_block_scales
 
 # Weight elements upcast at once (128 MiB in fp64) by the fp64 path and the CPU fallback: their extra
@@ -103,6 +117,13 @@ def check_dense_inputs(
 _FP32_OUT_GEMM: dict[tuple[str, int | None], bool] = {}
 
 
+def uses_cublas_fp32_gemm(device: torch.device) -> bool:
+    """Whether the fp32-accumulating GEMMs run as bf16 cuBLAS calls with fp32 output on ``device`` (CUDA with
+    :func:`has_fp32_out_bf16_gemm`); everywhere else they run as :func:`reference_impl.exact_dot.exact_matmul`
+    (a BLAS's summation order is not reproducible on CPU; cuBLAS's is, module docstring)."""
+    return device.type == "cuda" and has_fp32_out_bf16_gemm(device)
+
+
 def has_fp32_out_bf16_gemm(device: torch.device) -> bool:
     """Whether this torch build has a bf16 x bf16 -> fp32 ``addmm`` (``out_dtype=torch.float32``) on
     ``device`` (CUDA torch >= 2.8; not CPU torch 2.13). Probed once per device."""
@@ -119,24 +140,19 @@ def has_fp32_out_bf16_gemm(device: torch.device) -> bool:
 
 
 def _addmm_fp32(bias: torch.Tensor, a: torch.Tensor, w: torch.Tensor, alpha: float,
-                accumulate: torch.Tensor | None = None, w_fp32: torch.Tensor | None = None) -> torch.Tensor:
+                accumulate: torch.Tensor | None = None, w_fp64: torch.Tensor | None = None) -> torch.Tensor:
     """``alpha * (a @ w^T) + bias`` (``+ accumulate`` instead of ``+ bias`` when given), fp32 ``[M, N]``,
-    from ``a [M, K]`` (bf16, or fp32 on the fallback) and bf16 ``w [N, K]``, accumulated in fp32.
-    ``w_fp32``: the fallback's kept fp32 copy of ``w``, if any."""
-    if a.dtype == torch.bfloat16 and has_fp32_out_bf16_gemm(a.device):
-        c = bias if accumulate is None else accumulate
+    from ``a [M, K]`` (bf16, or fp32 on the exact path) and bf16 ``w [N, K]``, accumulated in fp32.
+    ``w_fp64``: the exact path's kept fp64 copy of ``w``, if any."""
+    c = bias if accumulate is None else accumulate
+    if a.dtype == torch.bfloat16 and uses_cublas_fp32_gemm(a.device):
         return torch.addmm(c, a, w.T, alpha=alpha, out_dtype=torch.float32)
-    af = a.float()
     n, step = w.shape[0], _chunk_rows(w.shape[1])
-    if w_fp32 is not None or step >= n:
-        wf = w_fp32 if w_fp32 is not None else w.float()
-        return torch.addmm(bias if accumulate is None else accumulate, af, wf.T, alpha=alpha)
-    out = torch.empty(a.shape[0], n, dtype=torch.float32, device=a.device)
-    for start in range(0, n, step):  # the upcast is exact: chunking can change only the BLAS's summation order
-        stop = min(start + step, n)
-        c = bias[start:stop] if accumulate is None else accumulate[:, start:stop]
-        out[:, start:stop] = torch.addmm(c, af, w[start:stop].float().T, alpha=alpha)
-    return out
+    if w_fp64 is not None or step >= n:
+        acc = exact_matmul_fp32(a, w_fp64 if w_fp64 is not None else w)
+    else:  # the result is row-by-row of W, so chunking changes nothing (exact_dot module docstring)
+        acc = torch.cat([exact_matmul_fp32(a, w[start:start + step]) for start in range(0, n, step)], dim=1)
+    return acc.mul_(alpha).add_(c)  # the fp32 epilogue: one rounding each, in this order
 
 
 def _addmm_bf16_out(bias_bf16: torch.Tensor, a: torch.Tensor, w: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -163,15 +179,15 @@ class PreparedLinear:
     ``weight`` bf16 ``[N, K]`` = ``e2m1 * e4m3`` exactly (``weight_scale_2`` not applied); ``alpha`` the
     fp32 decode scale (a Python float holding an fp32 value exactly); ``bias`` fp32 ``[N]`` (zeros when the
     layer has none: the fused epilogue takes one, and ``+ 0`` changes nothing but the sign of a zero);
-    ``pre_quant_scale`` fp32 ``[K]`` or None; ``weight_fp32``: where the device has no bf16 -> fp32 GEMM
-    and the layer has at most ``_CHUNK_ELEMENTS`` weights, the fallback keeps its fp32 upcast (one chunk)
-    instead of upcasting on every call."""
+    ``pre_quant_scale`` fp32 ``[K]`` or None; ``weight_fp64``: where the GEMMs run exactly (no cuBLAS:
+    :func:`uses_cublas_fp32_gemm`) and the layer has at most ``_CHUNK_ELEMENTS`` weights, the exact path
+    keeps its fp64 upcast (one chunk) instead of upcasting on every call."""
 
     weight: torch.Tensor
     alpha: float
     bias: torch.Tensor
     pre_quant_scale: torch.Tensor | None = None
-    weight_fp32: torch.Tensor | None = None
+    weight_fp64: torch.Tensor | None = None
     #: The bias as bf16 when that is exact (no bias, or a bf16 one): enables the fused bf16-output GEMM.
     bias_bf16: torch.Tensor | None = None
 
@@ -199,11 +215,11 @@ def prepare_w4a16_linear(
     alpha = float(dense_alpha(weight_scale_2))
     fp32_bias = torch.zeros(n, dtype=torch.float32, device=device) if bias is None else bias.to(device, torch.float32)
     pqs = None if pre_quant_scale is None else pre_quant_scale.to(device, torch.float32)
-    small = decoded.numel() <= _CHUNK_ELEMENTS and not has_fp32_out_bf16_gemm(device)
+    small = decoded.numel() <= _CHUNK_ELEMENTS and not uses_cublas_fp32_gemm(device)
     bias_bf16 = None
     if bias is None or bias.dtype == torch.bfloat16:
         bias_bf16 = fp32_bias.to(torch.bfloat16)  # exact: the values came from bf16 (or are zeros)
-    return PreparedLinear(decoded, alpha, fp32_bias, pqs, decoded.float() if small else None, bias_bf16)
+    return PreparedLinear(decoded, alpha, fp32_bias, pqs, decoded.double() if small else None, bias_bf16)
 
 
 def run_w4a16_linear(prepared: PreparedLinear, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -213,12 +229,12 @@ def run_w4a16_linear(prepared: PreparedLinear, x: torch.Tensor, out_dtype: torch
     x2 = x.reshape(-1, x.shape[-1])
     w, alpha, bias = prepared.weight, prepared.alpha, prepared.bias
     fused = prepared.pre_quant_scale is None and out_dtype == torch.bfloat16 and prepared.bias_bf16 is not None
-    if fused and x.device.type == "cuda" and has_fp32_out_bf16_gemm(x.device):
+    if fused and x.device.type == "cuda" and uses_cublas_fp32_gemm(x.device):
         return _addmm_bf16_out(prepared.bias_bf16, x2, w, alpha).reshape(*lead, n)
     if prepared.pre_quant_scale is None:
-        out = _addmm_fp32(bias, x2, w, alpha, w_fp32=prepared.weight_fp32)
-    elif not has_fp32_out_bf16_gemm(x.device):  # fallback fp32 GEMM takes x' in fp32 directly (exact)
-        out = _addmm_fp32(bias, x2.float() * prepared.pre_quant_scale, w, alpha, w_fp32=prepared.weight_fp32)
+        out = _addmm_fp32(bias, x2, w, alpha, w_fp64=prepared.weight_fp64)
+    elif not uses_cublas_fp32_gemm(x.device):  # the exact path takes x' in fp32 directly (exact)
+        out = _addmm_fp32(bias, x2.float() * prepared.pre_quant_scale, w, alpha, w_fp64=prepared.weight_fp64)
     else:
         scaled = x2.float() * prepared.pre_quant_scale  # exact: 8 x 8 significant bits
         hi = scaled.to(torch.bfloat16)
@@ -261,7 +277,8 @@ def w4a16_linear(
     step = _chunk_rows(xa.shape[-1])
     for start in range(0, n, step):  # e2m1 * e4m3 is exact in any float format here, so chunking changes nothing
         stop = min(start + step, n)
-        out[:, start:stop] = xa @ _decoded_rows(weight, weight_scale, start, stop, accum_dtype).T
+        w = _decoded_rows(weight, weight_scale, start, stop, accum_dtype)
+        out[:, start:stop] = exact_matmul(xa, w) if accum_dtype == torch.float64 else xa @ w.T
     out.mul_(dense_alpha(weight_scale_2).to(accum_dtype))  # in place: peak extra memory stays one output
     if bias is not None:
         out.add_(bias.to(accum_dtype))
@@ -278,9 +295,11 @@ def w4a16_linear_exact(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The exact value and its magnitude, both fp64 ``[..., N]``, for error bounds:
 
-    * ``y_exact = ((x * pqs) @ W^T) * alpha + bias`` evaluated in fp64. Every product ``x * pqs`` (two bf16,
-      16 significant bits) and ``x' * w`` (with ``w = e2m1 * e4m3``, 6 bits) is exact in fp64; the only fp64
-      rounding is in the K-sum, relative error <= K * 2^-53, some 2^29 times below fp32's and negligible here.
+    * ``y_exact = ((x * pqs) @ W^T) * alpha + bias`` evaluated in fp64. Every product ``x * pqs`` (bf16 times
+      fp32: at most 32 significant bits) and ``x' * w`` (with ``w = e2m1 * e4m3``, 6 bits) is exact in fp64;
+      the K-sum is :func:`reference_impl.exact_dot.exact_matmul` (exact per slice, the slices added in a
+      fixed order: the same bits on every run, thread count and device, within 2^-52 relative of the exact
+      sum), then one fp64 rounding each for ``* alpha`` and ``+ bias``.
     * ``magnitude = (|x * pqs| @ |W|^T) * alpha`` (no bias): the scale of the accumulation error.
 
     IEEE semantics carry through: a NaN/Inf activation gives a non-finite exact value wherever IEEE fp64
@@ -300,8 +319,8 @@ def w4a16_linear_exact(
     for start in range(0, n, step):
         stop = min(start + step, n)
         w = _decoded_rows(weight, weight_scale, start, stop, f64)
-        exact[:, start:stop] = xa @ w.T
-        magnitude[:, start:stop] = xabs @ w.abs_().T
+        exact[:, start:stop] = exact_matmul(xa, w)
+        magnitude[:, start:stop] = exact_matmul(xabs, w.abs_())
         del w
     alpha = dense_alpha(weight_scale_2).to(f64)
     exact *= alpha

@@ -1,4 +1,4 @@
-"""W4A16 fused MoE: BF16 hidden states through NVFP4 experts, SPEC.md section 3.
+"""W4A16 fused MoE: BF16 hidden states through NVFP4 experts (the contract: docs/moe.md).
 
 For token ``t`` routed to global experts ``ids[t, :]`` with weights ``w[t, :]``, on the expert-parallel
 rank owning global experts ``[offset, offset + E_local)``::
@@ -21,12 +21,15 @@ weighted combine; the reference does not (it keeps fp32 until the final bf16 cas
 (``conformance/moe/bounds.py``) covers both. ``accum_dtype=torch.float64`` gives the exact value of the
 dequantized model (fp64, no intermediate rounding): the value error bounds are measured from.
 
-Evaluation: with fp32 accumulation (the default) the experts run as bf16 grouped GEMMs with fp32
-accumulation and fp32 outputs (:mod:`reference_impl.moe_grouped`: the codes times block scales are exact
-in bf16, so this is the same fp32 sum of exact products); a one-shot call decodes only the experts that
-receive tokens, a backend prepares all of its experts once. The fp64 evaluation visits the experts with
-tokens one at a time. Ids outside this rank's range (other ranks' experts, or negative padding ids)
-contribute nothing.
+Evaluation: with fp32 accumulation (the default) the experts run as grouped GEMMs with fp32 accumulators
+(:mod:`reference_impl.moe_grouped`: bf16 GEMMs with fp32 output on CUDA; on CPU the exact sum of the exact
+products rounded once to fp32, :mod:`reference_impl.exact_dot`); a one-shot call decodes only the experts
+that receive tokens, a backend prepares all of its experts once. The fp64 evaluation visits the experts
+with tokens one at a time, its GEMMs are :func:`reference_impl.exact_dot.exact_matmul` (exact per slice,
+slices added in a fixed order), and each token's slot contributions are added in slot order. Both are
+deterministic by construction: no result depends on a BLAS's summation order, the thread count or the load
+(see docs/moe.md, "Determinism"). Ids outside this rank's range (other ranks' experts, or negative padding
+ids) contribute nothing.
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ from typing import Protocol
 
 import torch
 
+from .exact_dot import exact_matmul
 from .nvfp4 import BLOCK_SIZE, codes_times_block_scales
 
 ACTIVATIONS = ("swiglu", "geglu", "relu2", "swiglu_oai")
@@ -257,7 +261,10 @@ def fused_moe_w4a16(
         return run_prepared_experts(prepared, x, topk_ids, topk_weights, out_dtype=out_dtype,
                                     round_intermediate=round_intermediate)
     xa = x.to(accum_dtype)
-    out = torch.zeros(x.shape[0], x.shape[1], dtype=accum_dtype, device=x.device)
+    # One row per (token, slot), each written by the one expert it is routed to, then added in slot order:
+    # no accumulation order to choose (index_add_ would add in whatever order the device picks).
+    rows = torch.zeros(x.shape[0], topk_ids.shape[1], x.shape[1], dtype=accum_dtype, device=x.device)
+    matmul = exact_matmul if accum_dtype == torch.float64 else _plain_matmul
     batches = expert_batches(topk_ids.to(x.device), local_expert_offset(experts), experts.num_local_experts)
     if expert_order is not None:
         rank = {e: i for i, e in enumerate(expert_order)}
@@ -266,15 +273,22 @@ def fused_moe_w4a16(
     for batch in batches:
         w = dequantize_expert(experts, batch.local_expert, accum_dtype)
         xt = xa[batch.tokens]
-        gate = (xt @ w.gate.T) * w.scale_gate
-        up = (xt @ w.up.T) * w.scale_up if w.up is not None else None
+        gate = matmul(xt, w.gate) * w.scale_gate
+        up = matmul(xt, w.up) * w.scale_up if w.up is not None else None
         h = apply_activation(experts.activation, gate, up, experts.activation_params)
         if round_intermediate:
             h = h.to(torch.bfloat16).to(accum_dtype)
-        o = (h @ w.down.T) * w.scale_down
-        out.index_add_(0, batch.tokens, o * weights[batch.tokens, batch.slots].unsqueeze(-1))
+        o = matmul(h, w.down) * w.scale_down
+        rows[batch.tokens, batch.slots] = o * weights[batch.tokens, batch.slots].unsqueeze(-1)
         del w, gate, up, h, o
+    out = rows[:, 0].clone()
+    for slot in range(1, rows.shape[1]):
+        out += rows[:, slot]
     return out.to(out_dtype)
+
+
+def _plain_matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return a @ w.T
 
 
 def fused_moe_exact(x, topk_ids, topk_weights, experts) -> torch.Tensor:

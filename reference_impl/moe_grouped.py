@@ -10,11 +10,22 @@ and per token the sum of its contributions over its top-k slots in slot order (f
   fp32 GEMM on the decoded weights.
 * Pairs are sorted by expert (one stable ``sort``; no per-token Python loop) and each GEMM is one grouped
   GEMM over the experts' segments: on CUDA a Triton kernel (:mod:`reference_impl._triton_grouped_gemm`,
-  fp32 output, decode scale and routing weight fused in its epilogue); elsewhere (CPU, or no Triton) one
-  fp32-output GEMM per expert that has tokens (``torch.mm(..., out_dtype=torch.float32)`` where the torch
-  build has it, otherwise an fp32 GEMM on the exactly upcast weight).
-* The combine writes each contribution to its (token, slot) row and sums the ``top_k`` rows of a token in
-  slot order: deterministic, no atomics, whatever order the experts ran in.
+  fp32 output, decode scale and routing weight fused in its epilogue); on CUDA without Triton one
+  ``torch.mm(..., out_dtype=torch.float32)`` (cuBLAS) per expert that has tokens; elsewhere (CPU) one
+  :func:`reference_impl.exact_dot.exact_matmul_fp32` per expert that has tokens (the exact sum of the exact
+  products, rounded once to fp32), then the same fp32 epilogue multiplies.
+* The combine writes each contribution to its (token, slot) row and adds the ``top_k`` rows of a token in
+  slot order, one elementwise fp32 add per slot: no atomics, no reduction kernel, whatever order the
+  experts ran in.
+
+Determinism, by construction: the same prepared experts and inputs give the same bits on every call. On
+CPU no sum depends on an order (:mod:`reference_impl.exact_dot`; a CPU BLAS may pick its K-sum order per
+call, so per-expert fp32 GEMMs are not reproducible there); results are also independent of which experts
+were prepared, in which order, and of the token chunking. On CUDA the Triton kernel's tiles are fixed by the
+launch (:func:`reference_impl._triton_grouped_gemm.pick_config`: a function of the rows and experts only),
+each program owns its output tile and sums K in one loop over ``BLOCK_K`` steps (no split-K, no atomics);
+cuBLAS (no-Triton path) is run-to-run reproducible on one GPU model and toolkit (docs/moe.md). CUDA and CPU
+results may differ from each other: both are within the bound.
 * On the Triton path nothing synchronizes with the host, so calls with at most ``GRAPH_MAX_PAIRS`` pairs
   replay a CUDA graph of the whole layer (captured on the first call of each input shape): at decode sizes
   the GPU work is tens of microseconds and ~30 kernel launches from Python would otherwise dominate.
@@ -36,13 +47,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .dense import has_fp32_out_bf16_gemm
+from .dense import uses_cublas_fp32_gemm
+from .exact_dot import exact_matmul_fp32
 from .moe import NVFP4Experts, apply_activation, is_gated, local_expert_offset
 from .nvfp4 import codes_times_block_scales
 
 MOE_CHUNK_BYTES = 1 << 30
-#: Weights (w13 + w2) up to which the CPU fallback keeps an fp32 upcast next to the bf16 copy (64 MiB).
-FP32_KEEP_ELEMENTS = 1 << 24
+#: Weights (w13 + w2) up to which the exact (CPU) path keeps an fp64 upcast next to the bf16 copy (128 MiB).
+FP64_KEEP_ELEMENTS = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -62,8 +74,8 @@ class PreparedExperts:
     expert_offset: int
     activation: str
     activation_params: dict = field(default_factory=dict)
-    #: The fallback's fp32 upcasts (``w13``, ``w2``), kept when small (see :func:`prepare_experts`).
-    fp32_weights: tuple[torch.Tensor, torch.Tensor] | None = None
+    #: The exact path's fp64 upcasts (``w13``, ``w2``), kept when small (see :func:`prepare_experts`).
+    fp64_weights: tuple[torch.Tensor, torch.Tensor] | None = None
     #: Not every local expert at its own index (a one-shot call's subset, or another order): runs map ids
     #: through ``slot_of_local`` and check that no pair needs an expert that was not prepared.
     partial: bool = False
@@ -111,8 +123,8 @@ def prepare_experts(experts: NVFP4Experts, local_experts: Sequence[int] | None =
     slot_of_local[index] = torch.arange(len(ids), device=device)
     w13 = codes_times_block_scales(pick(experts.w13), pick(experts.w13_scale))
     w2 = codes_times_block_scales(pick(experts.w2), pick(experts.w2_scale))
-    # Without a bf16 -> fp32 GEMM the fallback upcasts weights; keep the upcast when it is one chunk or less.
-    small = w13.numel() + w2.numel() <= FP32_KEEP_ELEMENTS and not _fp32_out_gemm(device) and not _triton_ok(device)
+    # The exact path upcasts weights to fp64; keep the upcast when it is one chunk or less.
+    small = w13.numel() + w2.numel() <= FP64_KEEP_ELEMENTS and device.type != "cuda"
     return PreparedExperts(
         w13=w13,
         w2=w2,
@@ -123,7 +135,7 @@ def prepare_experts(experts: NVFP4Experts, local_experts: Sequence[int] | None =
         expert_offset=local_expert_offset(experts),
         activation=experts.activation,
         activation_params=dict(experts.activation_params),
-        fp32_weights=(w13.float(), w2.float()) if small else None,
+        fp64_weights=(w13.double(), w2.double()) if small else None,
         partial=ids != list(range(num_local)),
     )
 
@@ -188,18 +200,27 @@ def _run_chunk(prepared: PreparedExperts, x: torch.Tensor, key: torch.Tensor, we
     counts = bounds[1:] - seg_start
     combined = torch.zeros(pairs, hidden, dtype=torch.float32, device=x.device)
     if not pairs or not num_experts:
-        return combined.view(tokens, top_k, hidden).sum(dim=1)
-    w13_f, w2_f = prepared.fp32_weights or (None, None)
+        return _sum_slots(combined, tokens, top_k)
+    w13_f, w2_f = prepared.fp64_weights or (None, None)
     g = _grouped_fp32(x, prepared.w13, counts, seg_start, pairs, prepared.scale_gate, prepared.scale_up,
-                      inter if prepared.gated else prepared.w13.shape[1], a_rows=sorted_pairs // top_k, w_fp32=w13_f)
+                      inter if prepared.gated else prepared.w13.shape[1], a_rows=sorted_pairs // top_k, w_fp64=w13_f)
     h = apply_activation(prepared.activation, g[:, :inter], g[:, inter:] if prepared.gated else None,
                          prepared.activation_params)
     del g
     if round_intermediate:
         h = h.to(torch.bfloat16)
     _grouped_fp32(h, prepared.w2, counts, seg_start, pairs, prepared.scale_down, prepared.scale_down, hidden,
-                  out=combined, out_rows=sorted_pairs, row_scale=weights.reshape(-1)[sorted_pairs], w_fp32=w2_f)
-    return combined.view(tokens, top_k, hidden).sum(dim=1)
+                  out=combined, out_rows=sorted_pairs, row_scale=weights.reshape(-1)[sorted_pairs], w_fp64=w2_f)
+    return _sum_slots(combined, tokens, top_k)
+
+
+def _sum_slots(combined: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
+    """Per token, its ``top_k`` contribution rows added in slot order (one elementwise add per slot)."""
+    rows = combined.view(tokens, top_k, -1)
+    total = rows[:, 0].clone()
+    for slot in range(1, top_k):
+        total += rows[:, slot]
+    return total
 
 
 @functools.lru_cache(maxsize=64)
@@ -261,11 +282,11 @@ def _triton_importable() -> bool:
 
 
 def _fp32_out_gemm(device: torch.device) -> bool:
-    return has_fp32_out_bf16_gemm(device)
+    return uses_cublas_fp32_gemm(device)
 
 
 def _grouped_fp32(a, w, counts, seg_start, rows, scale_a, scale_b, split, *, a_rows=None, out=None,
-                  out_rows=None, row_scale=None, w_fp32=None) -> torch.Tensor:
+                  out_rows=None, row_scale=None, w_fp64=None) -> torch.Tensor:
     """Row ``j`` of expert ``e``'s segment: ``(a[a_rows[j]] @ w[e]^T) * col_scale * row_scale[j]`` in fp32,
     stored to ``out[out_rows[j]]`` (``out`` defaults to a new ``[rows, N]``). ``col_scale`` is
     ``scale_a[e]`` for columns ``< split``, ``scale_b[e]`` after."""
@@ -278,16 +299,16 @@ def _grouped_fp32(a, w, counts, seg_start, rows, scale_a, scale_b, split, *, a_r
         return grouped_gemm(a, w, counts, seg_start, rows, scale_a, scale_b, split, out, a_rows=a_rows,
                             out_rows=out_rows, row_scale=row_scale)
     columns = torch.arange(n, device=a.device) < split
-    fp32_out = a.dtype == torch.bfloat16 and has_fp32_out_bf16_gemm(a.device)
+    cublas = a.dtype == torch.bfloat16 and _fp32_out_gemm(a.device)
     for e, (start, count) in enumerate(zip(seg_start.tolist(), counts.tolist())):
         if not count:
             continue
         rows_e = slice(start, start + count)
         ae = a[a_rows[rows_e]] if a_rows is not None else a[rows_e]
-        if fp32_out:
+        if cublas:
             acc = torch.mm(ae, w[e].T, out_dtype=torch.float32)
         else:
-            acc = ae.float() @ (w_fp32[e] if w_fp32 is not None else w[e].float()).T
+            acc = exact_matmul_fp32(ae, w_fp64[e] if w_fp64 is not None else w[e])
         acc = acc * torch.where(columns, scale_a[e], scale_b[e])
         if row_scale is not None:
             acc = acc * row_scale[rows_e].unsqueeze(-1)
