@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conformance.server.dialects import DIALECTS, ReloadResult, ServerDialect, make_dialect
+from conformance.server.bounds import RELOAD_LOGPROB_TOL
 from conformance.server.launcher import ServerProcess
 from conformance.server.models import ModelCatalog
 from conformance.server.scenarios import SCENARIOS, SCENARIOS_BY_ID, fresh_outputs, run_scenario
@@ -103,42 +104,75 @@ def _through_dialects(case: MutantCase) -> list[tuple[MutantCase, str]]:
 
 
 DIALECT_CASES = [pair for case in CASES for pair in _through_dialects(case)]
-MAX_LIVE = 3  # servers kept running per worker (cases are ordered and grouped by server)
+MAX_LIVE = 3  # servers kept running per worker (cases through one server are usually adjacent)
+
+
+def _serves_fresh_a(server: ServerProcess, model, fresh: list) -> bool:
+    """Whether ``server`` serves weight set ``a`` as right after its start-up: reload ``a`` (the reference server
+    speaks the sglang API), then the greedy outputs must be the fresh ones (ids, logprobs within the reload
+    tolerance). False for a mutant whose broken reload or memory handling left it in another state."""
+    client = make_dialect("sglang", server.url)
+    try:
+        if not client.reload_weights(model.a).success:
+            return False
+        now = fresh_outputs(client)
+    except Exception:  # a broken server may answer anything
+        return False
+    finally:
+        client.close()
+    return len(now) == len(fresh) and all(
+        a.ids == b.ids and a.logprobs is not None and b.logprobs is not None
+        and all(abs(x - y) <= RELOAD_LOGPROB_TOL for x, y in zip(a.logprobs, b.logprobs))
+        for a, b in zip(now, fresh))
 
 
 @pytest.fixture(scope="module")
 def servers():
+    """``get(mutant, family, tp, api)``: a server of that mutant in a known state -- serving weight set ``a``, its
+    outputs those of its own start-up -- whatever cases ran on it before (any order, any xdist distribution).
+    A server a case failed on (a caught mutant stops mid-scenario) is checked before its next use and
+    restarted when it cannot be brought back (``mark_unknown``)."""
     catalog = ModelCatalog([], None, [], None)
     live: dict[tuple, ServerProcess] = {}  # insertion order = least recently used first
     fresh: dict[tuple, dict[str, list]] = {}
+    unknown: set[tuple] = set()
+
+    def start(key, mutant, model, tp):
+        while len(live) >= MAX_LIVE:
+            old = next(iter(live))
+            live.pop(old).stop()
+            unknown.discard(old)
+        live[key] = ServerProcess(TEMPLATE, 240.0, mutant=mutant, model_path=model.a,
+                                  tokenizer_path=model.tokenizer, tp=tp)
+        # right after start-up, through every dialect (a later "fresh" would follow some reload)
+        fresh[key] = {name: fresh_outputs(make_dialect(name, live[key].url)) for name in DIALECTS}
 
     def get(mutant: str, family: str, tp: int, api: str):
         model = catalog.served(family)
         key = (mutant, family, tp)
         if key in live:
             live[key] = live.pop(key)
-        else:
-            while len(live) >= MAX_LIVE:
-                live.pop(next(iter(live))).stop()
-            live[key] = ServerProcess(TEMPLATE, 240.0, mutant=mutant, model_path=model.a,
-                                      tokenizer_path=model.tokenizer, tp=tp)
-            # right after start-up, through every dialect (a later "fresh" would follow some reload)
-            fresh[key] = {name: fresh_outputs(make_dialect(name, live[key].url)) for name in DIALECTS}
-        dialect = make_dialect(api, live[key].url)
-        if dialect.missing(("reload_weights",)):
-            # the harness, not the scenario: an earlier case through another dialect (a caught mutant
-            # stops mid-scenario) may have left weight set b serving; this dialect cannot reload a itself
-            assert make_dialect("sglang", live[key].url).reload_weights(model.a).success
+            if key in unknown:
+                unknown.discard(key)
+                if not _serves_fresh_a(live[key], model, fresh[key]["sglang"]):
+                    live.pop(key).stop()
+        if key not in live:
+            start(key, mutant, model, tp)
         truths = {s: catalog.truth(model, s) for s in ("a", "b")}
-        return dialect, model, truths, fresh[key][api]
+        return make_dialect(api, live[key].url), model, truths, fresh[key][api]
 
+    def mark_unknown(mutant: str, family: str, tp: int) -> None:
+        unknown.add((mutant, family, tp))
+
+    get.mark_unknown = mark_unknown
     yield get
     for server in live.values():
         server.stop()
 
 
 def _param(case: MutantCase, api: str):
-    # one xdist group per mutant and model: under `--dist loadgroup` a server starts in one worker only
+    # one xdist group per mutant and model: under `--dist loadgroup` a server starts in one worker only (an
+    # optimisation: each case gets a server in a known state under any distribution, see `servers`)
     return pytest.param(case, api, id=f"{case.id}-{api}",
                         marks=pytest.mark.xdist_group(f"mutant-{case.mutant}-{case.family}"))
 
@@ -149,12 +183,18 @@ def test_mutant_server(servers, case: MutantCase, api: str, record_property):
     scenario = SCENARIOS_BY_ID[case.scenario]
     baseline = servers(case.mutant, case.family, 1, api)[0] if scenario.needs_tp_baseline else None
     run = lambda: run_scenario(scenario, client, model, truths, baseline, case.tp, timeout_s=120, fresh=fresh)  # noqa: E731
-    if case.caught:
-        with pytest.raises(AssertionError, match=case.match):
-            run()
-    else:
-        result = run()
-        record_property("bound_ratio", round(result.worst_ratio, 4))
+    try:
+        if case.caught:
+            with pytest.raises(AssertionError, match=case.match):
+                run()
+        else:
+            result = run()
+            record_property("bound_ratio", round(result.worst_ratio, 4))
+    except BaseException:
+        servers.mark_unknown(case.mutant, case.family, case.tp)
+        raise
+    if case.caught:  # it stopped mid-scenario: the state it left is the mutant's
+        servers.mark_unknown(case.mutant, case.family, case.tp)
 
 
 SKIPPED = [(s.id, api) for s in SCENARIOS for api, cls in DIALECTS.items() if s.skip_reason(cls)]
