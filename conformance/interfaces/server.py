@@ -66,8 +66,13 @@ class ServerDialect(abc.ABC):
             raise ValueError(f"server scenarios only talk to a local server (127.0.0.1), got {base_url!r}")
         self.base_url = base_url.rstrip("/")
         self.deadline, self.max_request_s = deadline, max_request_s
-        self._http = requests.Session()
-        self._http.trust_env = False  # never through a proxy: the server is local
+        self._http = self._new_session()
+
+    @staticmethod
+    def _new_session() -> requests.Session:
+        session = requests.Session()
+        session.trust_env = False  # never through a proxy: the server is local
+        return session
 
     def with_deadline(self, deadline: Deadline) -> "ServerDialect":
         return type(self)(self.base_url, deadline, self.max_request_s)
@@ -126,13 +131,34 @@ class ServerDialect(abc.ABC):
         left = self.deadline.remaining() if self.deadline else self.max_request_s
         return max(0.1, min(left, self.max_request_s))
 
+    #: Methods retried once on a fresh connection when the pooled one turns out to be closed (RFC 9110 idempotent).
+    IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
+
     def _call(self, method: str, path: str, **kwargs) -> requests.Response:
-        try:
-            return self._http.request(method, self.base_url + path, timeout=self._timeout(), **kwargs)
-        except requests.Timeout as exc:
-            raise AssertionError(f"{method} {path} timed out (request lost or server hung)") from exc
-        except requests.ConnectionError as exc:
-            raise AssertionError(f"{method} {path}: connection failed (server gone?): {exc}") from exc
+        """One HTTP request. Connections are pooled (keep-alive), but never reused after an answer the server
+        may close the connection behind (a 5xx, or ``Connection: close``): vLLM answers a failed
+        ``/collective_rpc`` with 500 and closes that connection, and the next request sent on it would fail
+        with a connection reset instead of reaching the server. An idempotent request whose pooled connection
+        fails before any answer is retried once on a fresh connection."""
+        for attempt in (1, 2):
+            try:
+                r = self._http.request(method, self.base_url + path, timeout=self._timeout(), **kwargs)
+            except requests.Timeout as exc:
+                raise AssertionError(f"{method} {path} timed out (request lost or server hung)") from exc
+            except requests.ConnectionError as exc:
+                self._reset_connections()
+                if attempt == 1 and method.upper() in self.IDEMPOTENT:
+                    continue
+                raise AssertionError(f"{method} {path}: connection failed (server gone?): {exc}") from exc
+            if r.status_code >= 500 or r.headers.get("connection", "").lower() == "close":
+                self._reset_connections()
+            return r
+        raise AssertionError("unreachable")
+
+    def _reset_connections(self) -> None:
+        """Drop every pooled connection: the next request opens a new one."""
+        self._http.close()
+        self._http = self._new_session()
 
     def _json(self, r: requests.Response, what: str) -> object:
         try:
