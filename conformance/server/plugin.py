@@ -25,6 +25,7 @@ from conformance.server.scenarios import SCENARIOS, Scenario, fresh_outputs, run
 
 ATTACHED = ServerConfig(1, device="attached", tier="cpu")
 SERVER_API_ENV = "NVFP4_CONFORMANCE_SERVER_API"
+START_TIMEOUT_S = 240.0
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -50,8 +51,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help="parallel configs, e.g. 'tp1,tp2,tp4-dp4-ep4' or 'cpu-tp2' (default: the reference "
                      "server's per-tier list; with --server-cmd: tp1 on CUDA)")
     g.addoption("--server-gpus", type=int, default=None, help="GPU count for the multi_gpu configs (default: detected)")
-    g.addoption("--server-timeout", type=float, default=None, help="time limit per scenario in seconds (default 120)")
-    g.addoption("--server-start-timeout", type=float, default=240.0, help="time limit for a server to become healthy")
+    g.addoption("--server-timeout", type=float, default=None, help="time limit per scenario in seconds (default: the scenario's own, 120 unless it says otherwise)")
+    g.addoption("--server-start-timeout", type=float, default=START_TIMEOUT_S,
+                help=f"time limit for a server to become healthy, in seconds (default {START_TIMEOUT_S:g})")
     g.addoption("--server-checkpoints", default=None,
                 help="a fixture build made with `python fixtures/make_checkpoints.py --out DIR` (read only; "
                      "default: fixtures/checkpoints, built on first use)")
@@ -156,8 +158,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 class ServerPool:
     """Servers started on demand, one per (config, model), stopped at session end."""
 
-    def __init__(self, config: pytest.Config):
+    def __init__(self, config: pytest.Config, log_dir: Path | None = None):
         self.pconfig = config
+        self.log_dir = log_dir  # server logs (pytest's temporary directory); a passing server's log is removed
         self.template = config.getoption("--server-cmd") or REFERENCE_TEMPLATE
         self.url = config.getoption("--server-url")
         self.api = config.getoption("--server-api")
@@ -195,7 +198,7 @@ class ServerPool:
             try:
                 server = ServerProcess(self.template, self.start_timeout, model_path=model.a,
                                        tokenizer_path=model.tokenizer, tp=cfg.tp, dp=cfg.dp, ep=cfg.ep,
-                                       device=cfg.device, api=self.api)
+                                       device=cfg.device, api=self.api, log_dir=self.log_dir)
             except ServerStartError as exc:
                 self._failed[key] = str(exc)
                 raise
@@ -217,11 +220,23 @@ class ServerPool:
         client = self.client(case.config, model)
         baseline = self.client(case.config.single_rank(), model) if case.scenario.needs_tp_baseline else None
         fresh = self._fresh.get((case.config.id, model.name))
-        result = run_scenario(case.scenario, client, model, truths, baseline, case.config.tp, self.timeout, fresh)
+        try:
+            result = run_scenario(case.scenario, client, model, truths, baseline, case.config.tp, self.timeout,
+                                  fresh)
+        except Exception as exc:
+            report = self.died(case.config, model)
+            if report is None:
+                raise
+            pytest.fail(f"{exc}\n{report}", pytrace=False)
         if record_property is not None:
             record_property("server_api", self.api)
             record_property("golden_tokens_compared", result.compared)
             record_property("bound_ratio", round(result.worst_ratio, 4))
+
+    def died(self, cfg: ServerConfig, model: ServedModel) -> str | None:
+        """The exit code and log of the started server of ``cfg`` that exited mid-scenario, else None."""
+        server = self._servers.get((cfg.id, model.name))
+        return server.failure_report() if server is not None else None
 
     def stop_all(self) -> None:
         for server in self._servers.values():
@@ -230,7 +245,7 @@ class ServerPool:
 
 
 @pytest.fixture(scope="session")
-def server_pool(request: pytest.FixtureRequest):
-    pool = ServerPool(request.config)
+def server_pool(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    pool = ServerPool(request.config, tmp_path_factory.mktemp("server-logs"))
     yield pool
     pool.stop_all()
