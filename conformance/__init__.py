@@ -1,3 +1,3 @@
 """NVFP4 W4A16 conformance suite."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

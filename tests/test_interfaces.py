@@ -41,3 +41,40 @@ def test_engine_option_naming_rules_only_skips_the_harness_with_the_reason() -> 
     run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "is not a LayerCodeEngine" in run.stdout and " passed" in run.stdout, run.stdout[-3000:]
+
+
+def test_0_1_interface_modules_are_deprecated_aliases() -> None:
+    """0.1 adapters keep working: ``conformance.adapter`` / ``conformance.engine`` give the very same classes,
+    with a DeprecationWarning naming the new module; an error under ``-W error::DeprecationWarning``."""
+    import importlib
+
+    for old, new, names in [("conformance.adapter", "conformance.interfaces.kernel",
+                             ["Backend", "CaseInfo", "DenseLayer", "MoEExperts"]),
+                            ("conformance.engine", "conformance.interfaces.rules", ["RulesEngine"])]:
+        sys.modules.pop(old, None)
+        with pytest.warns(DeprecationWarning, match=new.replace(".", r"\.")):
+            module = importlib.import_module(old)
+        current = importlib.import_module(new)
+        assert all(getattr(module, n) is getattr(current, n) for n in names)
+        strict = subprocess.run([sys.executable, "-W", "error::DeprecationWarning", "-c", f"import {old}"],
+                                cwd=REPO, capture_output=True, text=True)
+        assert strict.returncode != 0 and "DeprecationWarning" in strict.stderr and new in strict.stderr
+    from conformance.engine_harness import core
+
+    with pytest.warns(DeprecationWarning, match=r"conformance\.interfaces\.layer_code\.LayerCodeEngine"):
+        assert core.EngineAdapter is LayerCodeEngine
+
+
+def test_option_help_states_the_real_defaults() -> None:
+    """Each option whose default is computed says the value the code uses (not an older one)."""
+    from conformance.backends import DEFAULT_BACKEND
+    from conformance.engine_harness import DEFAULT_ENGINE as HARNESS_DEFAULT
+    from conformance.rules import DEFAULT_ENGINE as RULES_DEFAULT
+    from conformance.server.plugin import START_TIMEOUT_S
+
+    out = subprocess.run([sys.executable, "-m", "pytest", "--help", "-p", "no:cacheprovider"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120).stdout
+    text = " ".join(out.split())  # argparse wraps help lines
+    assert f"or '{DEFAULT_BACKEND}'" in text
+    assert f"or '{RULES_DEFAULT}' for the rules" in text and f"or '{HARNESS_DEFAULT}' for the harness" in text
+    assert f"healthy, in seconds (default {START_TIMEOUT_S:g})" in text

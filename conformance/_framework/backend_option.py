@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from conformance.interfaces.kernel import Backend
-from conformance.backends import BACKEND_ENV_VAR, BackendLoadError, backend_spec_from_env, load_backends
+from conformance.backends import BACKEND_ENV_VAR, DEFAULT_BACKEND, BackendLoadError, backend_spec_from_env, load_backends
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -13,7 +13,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--backend",
         default=None,
         help=f"backend under test: a built-in name (reference, flashinfer) or module:attr "
-        f"(default: ${BACKEND_ENV_VAR} or 'reference')",
+        f"(default: ${BACKEND_ENV_VAR} or '{DEFAULT_BACKEND}')",
     )
 
 

@@ -126,3 +126,14 @@ def recording_module_tree(calls: list) -> dict:
                 wrapped[id(fn)] = record
             setattr(mod, name, wrapped[id(fn)])
     return modules
+
+
+def __getattr__(name: str):
+    # 0.1's layer-code interface; deprecated since 0.2.0, goes in 0.3 (CHANGELOG.md)
+    if name == "EngineAdapter":
+        import warnings
+
+        warnings.warn("conformance.engine_harness.core.EngineAdapter is deprecated since 0.2.0 and goes in 0.3: "
+                      "subclass conformance.interfaces.layer_code.LayerCodeEngine", DeprecationWarning, stacklevel=2)
+        return LayerCodeEngine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

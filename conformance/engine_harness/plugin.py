@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from conformance.engine_harness import ENGINE_ENV_VAR, EngineLoadError, NotALayerCodeEngine, load_layer_code_engine
+from conformance.rules import DEFAULT_ENGINE as DEFAULT_RULES_ENGINE, ENGINE_ENV_VAR as RULES_ENGINE_ENV_VAR
+from conformance.engine_harness import DEFAULT_ENGINE, ENGINE_ENV_VAR, EngineLoadError, NotALayerCodeEngine, load_layer_code_engine
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -12,8 +13,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--engine",
         default=None,
-        help=f"engine under the integration harness: a built-in name (sglang) or module:attr naming "
-        f"a LayerCodeEngine subclass (default: ${ENGINE_ENV_VAR} or 'sglang')",
+        help=f"engine under test: a built-in name (reference, sglang) or module:attr naming a RulesEngine "
+        f"(configuration rules) and/or LayerCodeEngine (layer code under the harness) subclass; default: "
+        f"${RULES_ENGINE_ENV_VAR} or '{DEFAULT_RULES_ENGINE}' for the rules, ${ENGINE_ENV_VAR} or "
+        f"'{DEFAULT_ENGINE}' for the harness",
     )
 
 
