@@ -108,8 +108,8 @@ class CaseOutcome:
 @dataclass(frozen=True)
 class Pattern:
     """``check`` fails on at least ``min_failing`` cases, and only where ``feature`` holds (every failing case
-    has it, at least ``min_passing`` passing cases lack it; passing cases with it are allowed: a bug need not
-    show on every case of its class), or only beyond a size (``dimension`` on every failing case larger than on
+    has it, at least ``min_passing`` passing cases lack it, at least ``min_share`` of the cases with it fail:
+    a bug need not show on every case of its class), or only beyond a size (``dimension`` on every failing case larger than on
     any passing one). The explanation may use ``{check}``, ``{failing}``, ``{passing}``, ``{threshold}`` and
     ``{largest_passing}``."""
 
@@ -120,6 +120,9 @@ class Pattern:
     dimension: str | None = None
     min_failing: int = 2  # one failing case has every feature it has: no pattern
     min_passing: int = 2
+    #: of the cases with the feature, at least this share fails (a common feature, e.g. N % 128 != 0 on most
+    #: small cases, must not be blamed for a bug that shows on a few of them)
+    min_share: float = 0.5
 
     def __post_init__(self) -> None:
         if (self.feature is None) == (self.dimension is None):
@@ -128,28 +131,35 @@ class Pattern:
 
 def diagnose_cases(patterns: Iterable[Pattern], outcomes: Iterable[CaseOutcome], area: str) -> list[Diagnosis]:
     """Patterns over the cases of one backend and area: for each check that fails somewhere, the patterns that
-    separate its failing cases from its passing ones."""
+    set its failing cases apart from its passing ones. Checks failing on the same cases under the same pattern
+    are reported together."""
     outcomes = list(outcomes)
-    found = []
-    checks = sorted({c for o in outcomes for c in o.failing})
-    for check in checks:
+    found: dict[tuple[str, frozenset[str]], tuple[Pattern, list[str], dict]] = {}
+    for check in sorted({c for o in outcomes for c in o.failing}):
         failing = [o for o in outcomes if check in o.failing]
         passing = [o for o in outcomes if check not in o.failing]
         for p in patterns:
-            if p.area != area or len(failing) < p.min_failing:
-                continue
-            if p.feature is not None:
-                without = sum(p.feature not in o.features for o in passing)
-                ok = all(p.feature in o.features for o in failing) and without >= p.min_passing
-                fmt = {}
-            else:
-                if len(passing) < p.min_passing or not all(p.dimension in o.shape for o in outcomes):
-                    continue
-                threshold = min(o.shape[p.dimension] for o in failing)
-                largest = max(o.shape[p.dimension] for o in passing)
-                ok = threshold > largest
-                fmt = {"threshold": threshold, "largest_passing": largest}
-            if ok:
-                text = p.explanation.format(check=check, failing=len(failing), passing=len(passing), **fmt)
-                found.append(Diagnosis(p.name, text))
-    return found
+            fmt = _pattern_holds(p, area, failing, passing, outcomes)
+            if fmt is not None:
+                key = (p.name, frozenset(o.case_id for o in failing))
+                found.setdefault(key, (p, [], {"failing": len(failing), "passing": len(passing), **fmt}))[1].append(check)
+    return [Diagnosis(p.name, p.explanation.format(check=" / ".join(checks), **fmt))
+            for p, checks, fmt in found.values()]
+
+
+def _pattern_holds(p: Pattern, area: str, failing: list[CaseOutcome], passing: list[CaseOutcome],
+                   outcomes: list[CaseOutcome]) -> dict | None:
+    """The pattern's format values when it separates ``failing`` from ``passing``, else None."""
+    if p.area != area or len(failing) < p.min_failing:
+        return None
+    if p.feature is not None:
+        with_feature = sum(p.feature in o.features for o in passing)
+        without = len(passing) - with_feature
+        holds = (all(p.feature in o.features for o in failing) and without >= p.min_passing
+                 and len(failing) >= p.min_share * (len(failing) + with_feature))
+        return {} if holds else None
+    if len(passing) < p.min_passing or not all(p.dimension in o.shape for o in outcomes):
+        return None
+    threshold = min(o.shape[p.dimension] for o in failing)
+    largest = max(o.shape[p.dimension] for o in passing)
+    return {"threshold": threshold, "largest_passing": largest} if threshold > largest else None

@@ -14,8 +14,10 @@ and facts computed only when a check fails:
 * *where* it is wrong: only rows from some M on, only output features from some N on, only one fused shard,
   only rows whose activations lie outside FP16's range.
 
-Across cases (:data:`PATTERNS`, :func:`diagnose_dense_cases`): a check failing only where ``K % 64 != 0``,
-only for ``M`` above some size, only on same-sign data, only where alpha is ``1.5 * 2^e``, ...
+Across cases (:data:`PATTERNS`, :func:`diagnose_dense_cases`): a check failing only where ``K % 64 != 0`` or
+``N % 128 != 0``, only for ``M`` above some size, only on same-sign data, only with a bias / AWQ / strided
+activations / activations outside FP16's range. Every rule and pattern has a mutant that shows it
+(``tests/mutants/dense.py``, ``diagnosed_as``; red-team backends in ``tests/test_redteam_variants.py``).
 """
 from __future__ import annotations
 
@@ -78,6 +80,8 @@ RULES: tuple[Rule, ...] = (
              "where engines fold one alpha = max(weight_scale_2) per layer"),
     _reading("transposed_weight", "as [K, N] instead of [N, K] (a transposed weight layout)"),
     _reading("pre_quant_scale_dropped", "without its AWQ pre_quant_scale (x * pre_quant_scale not applied)"),
+    _reading("pre_quant_scale_inverted", "with its activations divided by the AWQ pre_quant_scale instead of "
+             "multiplied (the scale's convention inverted)"),
     _reading("bias_twice", "with the bias added twice (in the kernel epilogue and again in the layer)"),
     _reading("bias_dropped", "without its bias"),
     _reading("e4m3_subnormals_flushed", "with E4M3-subnormal block scales flushed to zero (an FTZ scale decode)"),
@@ -102,16 +106,9 @@ PATTERNS: tuple[Pattern, ...] = (
             "N tile", feature="n_not_multiple_of_128"),
     Pattern("m_size", AREA, "{check} fails only for M >= {threshold} (right up to M = {largest_passing}): the "
             "kernel or tile configuration chosen for large M", dimension="m"),
-    Pattern("k_size", AREA, "{check} fails only for K >= {threshold} (right up to K = {largest_passing}): what "
-            "the kernel does for long K -- split-K / stream-K slices, or an accumulator that loses precision",
-            dimension="k"),
     Pattern("same_sign_only", AREA, "{check} fails only on same-sign data ({failing} cases): no cancellation, "
             "so every intermediate is as large as the result -- extra roundings of partial sums show there",
             feature="x_nonneg"),
-    Pattern("alpha_rounding", AREA, "{check} fails only where alpha = 1.5 * 2^e ({failing}): the fp32 sum is "
-            "rounded to BF16 before the alpha multiply", feature="three_pow2_alpha"),
-    Pattern("fused_shards_only", AREA, "{check} fails only on fused (q/k/v) layers: how the shards' "
-            "weight_scale_2 are combined", feature="fused_shards"),
     Pattern("bias_only", AREA, "{check} fails only on layers with a bias: the bias epilogue", feature="bias"),
     Pattern("awq_only", AREA, "{check} fails only with AWQ pre_quant_scale: the activation pre-scale",
             feature="awq"),
@@ -119,8 +116,6 @@ PATTERNS: tuple[Pattern, ...] = (
             feature="noncontiguous"),
     Pattern("fp16_range_only", AREA, "{check} fails only on activations outside FP16's range: BF16 activations "
             "converted to FP16", feature="x_outside_fp16"),
-    Pattern("e4m3_subnormal_only", AREA, "{check} fails only where block scales are E4M3 subnormals: the scale "
-            "decode flushes or misreads them", feature="e4m3_subnormal"),
 )
 
 
@@ -129,7 +124,8 @@ def case_features(case) -> frozenset[str]:
     f = set(case.features)
     f |= {"k_not_multiple_of_64"} if case.k % 64 else set()
     f |= {"n_not_multiple_of_128"} if case.n % 128 else set()
-    f |= {"x_outside_fp16"} if case.x_kind in ("beyond_fp16", "below_fp16_normal", "mixed_magnitudes") else set()
+    f |= {"x_outside_fp16"} if case.x_kind in ("beyond_fp16", "below_fp16_normal", "mixed_magnitudes",
+                                                             "channel_outliers") else set()
     return frozenset(f)
 
 
@@ -177,6 +173,7 @@ def _readings(layer: DenseLayer) -> dict[str, Callable[[], list[DenseLayer]]]:
         out["per_shard_scale"] = lambda: _shards(layer)
     if layer.pre_quant_scale is not None:
         out["pre_quant_scale_dropped"] = lambda: [replace(layer, pre_quant_scale=None)]
+        out["pre_quant_scale_inverted"] = lambda: [replace(layer, pre_quant_scale=1.0 / layer.pre_quant_scale.double())]
     if layer.bias is not None:
         out["bias_twice"] = lambda: [replace(layer, bias=layer.bias * 2)]
         out["bias_dropped"] = lambda: [replace(layer, bias=None)]
