@@ -18,13 +18,14 @@ from conformance.dense.checks import (
     single_rounding_figures,
 )
 from conformance.dense.cases import CPU_CASES
-from tests.mutants.dense import MUTANTS, VARIANTS
+from conformance.dense.diagnosis import PATTERNS, RULES, diagnose_dense_cases, diagnose_run
+from tests.mutants.dense import MUTANTS, VARIANTS, NibbleSwapped, pattern_probe_cases
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_every_mutant_names_a_real_check():
-    assert len(MUTANTS) >= 17
+    assert len(MUTANTS) >= 22
     for mutant in MUTANTS:
         assert mutant.caught_by in NAMED_CHECKS, f"{mutant.__name__}.caught_by = {mutant.caught_by!r}"
 
@@ -46,11 +47,15 @@ def test_correct_variant_is_accepted(variant, record_property):
     ratio over all cases, and on the single-rounding cases the direction statistic and the ulp error spread
     as fractions of their limits."""
     backend = variant()
+    results, diagnosed = [], {}
     rejected, worst = {}, {"bound_ratio": 0.0, "toward_zero_fraction": 0.0, "direction_vs_limit": 0.0,
                            "mean_sq_ulps": 0.0, "spread_vs_limit": 0.0}
     for case in CPU_CASES:
         run = run_dense_case(backend, case)
         failures = failing_checks_of_run(run, backend)
+        results.append((case, failures))
+        if diagnose_run(run, failures):
+            diagnosed[case.id] = [str(d) for d in diagnose_run(run, failures)]
         if failures:
             rejected[case.id] = failures
             continue
@@ -64,6 +69,8 @@ def test_correct_variant_is_accepted(variant, record_property):
     for name, value in worst.items():
         record_property(f"worst_{name}", round(value, 4))
     assert not rejected, f"{variant.__name__} ({variant.__doc__.strip()}) was rejected: {rejected}"
+    # no diagnosis rule fires on a correct variant, per run or across the cases
+    assert not diagnosed and not diagnose_dense_cases(results), (diagnosed, diagnose_dense_cases(results))
 
 
 def test_backend_option_runs_a_mutant_end_to_end():
@@ -91,3 +98,60 @@ def test_docs_adapter_example_is_correct():
             assert failing_checks(backend, case) == {}, case.id
     declined = next(c for c in CPU_CASES if c.k % 32)
     assert "K % 32" in backend.skip_reason(declined.info())
+
+
+# ------------------------------------------------------------------------------------------ diagnosis
+DIAGNOSED = [m for m in MUTANTS if m.diagnosed_as]
+
+
+def _names(mutant) -> tuple[str, ...]:
+    return (mutant.diagnosed_as,) if isinstance(mutant.diagnosed_as, str) else mutant.diagnosed_as
+
+
+def test_every_rule_and_pattern_has_a_mutant_or_red_team_backend():
+    from tests.test_redteam_variants import DENSE_DIAGNOSED, DENSE_PATTERNS
+
+    shown = {n for m in DIAGNOSED for n in _names(m)} | {r for _, _, r in DENSE_DIAGNOSED} | {p for _, p in DENSE_PATTERNS}
+    declared = {r.name for r in RULES} | {p.name for p in PATTERNS}
+    assert shown <= declared, f"mutants name unknown rules: {sorted(shown - declared)}"
+    assert declared <= shown, f"rules/patterns no mutant shows: {sorted(declared - shown)}"
+
+
+@pytest.mark.parametrize("mutant", DIAGNOSED, ids=lambda m: m.__name__)
+def test_mutant_is_diagnosed(mutant, record_property):
+    """The rule a mutant declares fires on a cpu case where a check rejects it; the pattern it declares fires
+    across the probe cases of that pattern (``pattern_probe_cases``: cases with and without its feature)."""
+    backend = mutant()
+    rule_names = {r.name for r in RULES}
+    for name in _names(mutant):
+        if name in rule_names:
+            seen = {}
+            for case in CPU_CASES:
+                run = run_dense_case(backend, case)
+                failures = failing_checks_of_run(run, backend)
+                if failures:
+                    seen[case.id] = [d.rule for d in diagnose_run(run, failures)]
+                    if name in seen[case.id]:
+                        record_property(f"diagnosis_{name}", case.id)
+                        break
+            else:
+                pytest.fail(f"{mutant.__name__}: rule {name!r} fired on no failing cpu case; diagnoses: {seen}")
+        else:
+            results = [(c, failing_checks(backend, c)) for c in pattern_probe_cases(name)]
+            found = {d.rule for d in diagnose_dense_cases(results)}
+            assert name in found, f"{mutant.__name__}: pattern {name!r} not found; found {sorted(found)}"
+
+
+def test_diagnosis_is_appended_to_the_failure_message():
+    from conformance.dense.checks import check_within_error_bound, diagnosed
+
+    backend = NibbleSwapped()
+    run = run_dense_case(backend, next(c for c in CPU_CASES if c.id == "cpu-m7-n160-k256"))
+    recorded = {}
+    with pytest.raises(AssertionError) as info:
+        with diagnosed(run, backend, lambda k, v: recorded.__setitem__(k, v)):
+            check_within_error_bound(run)
+    text = str(info.value)
+    assert text.startswith("W4A16 output outside the derived error bound")
+    assert "likely cause [nibble_swapped]: the output matches the checkpoint read with the two E2M1 codes" in text
+    assert recorded["diagnosis"].startswith("nibble_swapped:")

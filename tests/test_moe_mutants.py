@@ -77,7 +77,12 @@ def test_moe_variant_is_accepted(variant, case: MoECase) -> None:
     if reason:
         assert case.gate_up == "general", f"{variant.__name__} declined {case.id}: {reason}"
         return
-    _all_checks(backend, case)
+    from conformance.moe.checks import failing_moe_checks_of_run
+    from conformance.moe.diagnosis import diagnose_run
+
+    run = run_moe_case(backend, case)  # every check the conformance tests run, and no diagnosis rule fires
+    failures = failing_moe_checks_of_run(run, backend)
+    assert not failures and not diagnose_run(run, failures), failures
 
 
 def test_input_scale_check_catches_folded_alphas_directly() -> None:
@@ -135,3 +140,54 @@ def test_at_real_sizes_summary_figures_reject_what_the_loose_bound_lets_through(
         return  # caught by the bound after all: fine
     with pytest.raises(AssertionError, match=r"^\[moe_summary_figures\]"):
         check_moe_summary_figures(figures, run)
+
+
+# ------------------------------------------------------------------------------------------ diagnosis
+DIAGNOSED = [m for m in MUTANTS if m.diagnosed_as]
+#: Cheap cases without the features of the cross-case patterns.
+_PLAIN = ("t1_e8_k1_h128_i64", "t7_e8_k2_h192_i192", "t128_e8_k2_no_input_scales")
+
+
+def _names(mutant) -> tuple[str, ...]:
+    return (mutant.diagnosed_as,) if isinstance(mutant.diagnosed_as, str) else mutant.diagnosed_as
+
+
+def test_every_moe_rule_and_pattern_has_a_mutant_or_red_team_backend() -> None:
+    from conformance.moe.diagnosis import PATTERNS, RULES
+    from tests.test_redteam_variants import MOE_DIAGNOSED
+
+    shown = {n for m in DIAGNOSED for n in _names(m)} | {r for _, _, r in MOE_DIAGNOSED}
+    declared = {r.name for r in RULES} | {p.name for p in PATTERNS}
+    assert shown <= declared, sorted(shown - declared)
+    assert declared <= shown, f"rules/patterns no mutant shows: {sorted(declared - shown)}"
+
+
+@pytest.mark.parametrize("mutant", DIAGNOSED, ids=lambda m: m.__name__)
+def test_moe_mutant_is_diagnosed(mutant) -> None:
+    """Each rule a mutant declares fires on a probe case where a check rejects it; each pattern fires across up
+    to 3 cpu cases with the pattern's feature and 3 without."""
+    from conformance.moe.checks import failing_moe_checks, failing_moe_checks_of_run
+    from conformance.moe.diagnosis import PATTERNS, RULES, case_features, diagnose_moe_cases, diagnose_run
+
+    backend = mutant()
+    for name in _names(mutant):
+        if name in {r.name for r in RULES}:
+            seen = {}
+            for case in PROBE_CASES:
+                if backend.skip_reason(case.info()):
+                    continue
+                run = run_moe_case(backend, case)
+                failures = failing_moe_checks_of_run(run, backend)
+                if failures:
+                    seen[case.id] = [d.rule for d in diagnose_run(run, failures)]
+                    if name in seen[case.id]:
+                        break
+            else:
+                pytest.fail(f"{mutant.__name__}: rule {name!r} fired on no probe case; diagnoses: {seen}")
+        else:
+            feature = next(p for p in PATTERNS if p.name == name).feature
+            having = [c for c in CPU_CASES.values() if feature in case_features(c)
+                      and not backend.skip_reason(c.info())][:3]
+            cases = having + [CPU_CASES[i] for i in _PLAIN]
+            found = {d.rule for d in diagnose_moe_cases([(c, failing_moe_checks(backend, c)) for c in cases])}
+            assert name in found, f"{mutant.__name__}: pattern {name!r} not found; found {sorted(found)}"

@@ -107,9 +107,15 @@ def test_dense_red_team_mutant_is_caught(mutant, case_id: str, check: str) -> No
 
 @pytest.mark.parametrize("variant,case_ids", DENSE_ACCEPTED, ids=lambda v: getattr(v, "__name__", None))
 def test_dense_red_team_variant_is_accepted(variant, case_ids: tuple[str, ...]) -> None:
+    """... and no diagnosis rule fires on it (they need a failing check)."""
+    from conformance.dense.checks import failing_checks_of_run, run_dense_case
+    from conformance.dense.diagnosis import diagnose_run
+
+    backend = variant()
     for case_id in case_ids:
-        failures = failing_checks(variant(), DENSE[case_id])
-        assert not failures, f"{variant.__name__} on {case_id}: {failures}"
+        run = run_dense_case(backend, DENSE[case_id])
+        failures = failing_checks_of_run(run, backend)
+        assert not failures and not diagnose_run(run, failures), f"{variant.__name__} on {case_id}: {failures}"
 
 
 def test_double_rounding_within_the_bound_is_flagged_by_the_strict_checks_only() -> None:
@@ -130,6 +136,64 @@ def test_moe_red_team_mutant_is_caught(mutant, case_id: str, check: str) -> None
 
 @pytest.mark.parametrize("variant,case_ids", MOE_ACCEPTED, ids=lambda v: getattr(v, "__name__", None))
 def test_moe_red_team_variant_is_accepted(variant, case_ids: tuple[str, ...]) -> None:
+    """... and no diagnosis rule fires on it."""
+    from conformance.moe.checks import failing_moe_checks_of_run, run_moe_case
+    from conformance.moe.diagnosis import diagnose_run
+
+    backend = variant()
     for case_id in case_ids:
-        failures = failing_moe_checks(variant(), MOE[case_id])
-        assert not failures, f"{variant.__name__} on {case_id}: {failures}"
+        run = run_moe_case(backend, MOE[case_id])
+        failures = failing_moe_checks_of_run(run, backend)
+        assert not failures and not diagnose_run(run, failures), f"{variant.__name__} on {case_id}: {failures}"
+
+
+# ------------------------------------------------------------------------------------------ diagnosis
+#: (broken backend, case, the diagnosis rule its failure there must show)
+DENSE_DIAGNOSED = [
+    (D.Ws2MinAcrossShards, "cpu-fused-qkv-3-scales", "min_shard_scale"),
+    (D.Ws2PerShard, "cpu-fused-qkv-3-scales", "per_shard_scale"),
+    (D.Bf16SplitK, STRICT_1P5, "bf16_partial_sums"),
+    (D.TruncatingOutput, "cpu-pow2-alpha-m128-n160-k256", "truncating_conversion"),
+    (D.AwqDivided, "cpu-awq", "pre_quant_scale_inverted"),
+]
+#: (broken backend, the cross-case pattern its failures over the cpu tier must show)
+DENSE_PATTERNS = [(D.StridesIgnored, "noncontiguous_only")]
+MOE_DIAGNOSED = [
+    (M.StaleWorkspaceRows, "t32_e8_k2_padding_ids", "state_between_calls"),
+    (M.GateUpSwapped, "t1_e8_k1_h128_i64", "gate_up_swapped"),
+    (M.RenormalizedWeights, "t7_e64_k1_h128_i128", "weights_renormalized"),
+    (M.NegOneAsExpert0, "t32_e8_k2_padding_ids", "padding_slots"),
+]
+
+
+@pytest.mark.parametrize("broken,case_id,rule", DENSE_DIAGNOSED, ids=lambda v: getattr(v, "__name__", None))
+def test_dense_red_team_mutant_is_diagnosed(broken, case_id: str, rule: str) -> None:
+    from conformance.dense.checks import failing_checks_of_run, run_dense_case
+    from conformance.dense.diagnosis import diagnose_run
+
+    backend = broken()
+    run = run_dense_case(backend, DENSE[case_id])
+    found = [d.rule for d in diagnose_run(run, failing_checks_of_run(run, backend))]
+    assert rule in found, f"{broken.__name__} on {case_id}: {found}"
+
+
+@pytest.mark.parametrize("broken,pattern", DENSE_PATTERNS, ids=lambda v: getattr(v, "__name__", None))
+def test_dense_red_team_pattern(broken, pattern: str) -> None:
+    from conformance.dense.diagnosis import diagnose_dense_cases
+
+    from tests.mutants.dense import pattern_probe_cases
+
+    backend = broken()
+    found = {d.rule for d in diagnose_dense_cases([(c, failing_checks(backend, c)) for c in pattern_probe_cases(pattern)])}
+    assert pattern in found, f"{broken.__name__}: {sorted(found)}"
+
+
+@pytest.mark.parametrize("broken,case_id,rule", MOE_DIAGNOSED, ids=lambda v: getattr(v, "__name__", None))
+def test_moe_red_team_mutant_is_diagnosed(broken, case_id: str, rule: str) -> None:
+    from conformance.moe.checks import failing_moe_checks_of_run, run_moe_case
+    from conformance.moe.diagnosis import diagnose_run
+
+    backend = broken()
+    run = run_moe_case(backend, MOE[case_id])
+    found = [d.rule for d in diagnose_run(run, failing_moe_checks_of_run(run, backend))]
+    assert rule in found, f"{broken.__name__} on {case_id}: {found}"

@@ -320,11 +320,14 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
             ratio = bound_ratio_of(t)
             if ratio is not None:
                 lines.append(f"- bound ratio: {_fmt_ratio(ratio)}")
+            if t.get("properties", {}).get("diagnosis"):
+                lines.append(f"- likely cause: {_cell(str(t['properties']['diagnosis']))}")
             for path in t["artifacts"]:
                 lines.append(f"- artifact: `{path}`")
             if t["repro"]:
                 lines += ["", "```bash", t["repro"], "```"]
             lines.append("")
+    lines += _patterns_section(tests)
     lines += _perf_section(tests)
     xfailed = [t for t in tests if t["outcome"] == "xfailed"]
     if xfailed:
@@ -358,3 +361,16 @@ def _perf_section(tests: Iterable[Mapping[str, Any]]) -> list[str]:
     lines += ["| " + " | ".join(_cell(c) for c in table_cells(r)) + " |" for r in rows]
     return lines
 
+
+def _patterns_section(tests: Iterable[Mapping[str, Any]]) -> list[str]:
+    """Failures that follow a pattern across cases (:func:`conformance._framework.diagnosis.diagnose_cases`)."""
+    from conformance._framework.diagnosis_cases import patterns_across_cases
+
+    found = patterns_across_cases(tests)
+    if not found:
+        return []
+    lines = ["", "## Likely causes across cases", "",
+             "A check failing only on cases that share a feature, or only beyond a size, points at the code that "
+             "handles them (conformance/_framework/diagnosis.py); the failures above are the verdict.", ""]
+    lines += [f"- {area}, {backend}: [{d.rule}] {_cell(d.text)}" for area, backend, d in found]
+    return lines

@@ -13,6 +13,7 @@ from conformance.dense.checks import (
     check_output_dtype_and_shape,
     check_summary_figures,
     check_within_error_bound,
+    diagnosed,
     run_dense_case,
     single_rounding_figures,
 )
@@ -30,8 +31,9 @@ def _run(backend: Backend, case: DenseCase):
 @pytest.mark.parametrize("case", as_params(DENSE_CASES))
 def test_dense_matches_reference(backend: Backend, case: DenseCase, record_property) -> None:
     run = _run(backend, case)
-    figures = check_within_error_bound(run, record=lambda fig: _record(record_property, fig))
-    check_summary_figures(figures, run)
+    with diagnosed(run, backend, record_property):
+        figures = check_within_error_bound(run, record=lambda fig: _record(record_property, fig))
+        check_summary_figures(figures, run)
 
 
 def _record(record_property, figures) -> None:
@@ -41,17 +43,23 @@ def _record(record_property, figures) -> None:
 
 @pytest.mark.parametrize("case", as_params(DENSE_CASES))
 def test_dense_output_dtype_and_shape(backend: Backend, case: DenseCase) -> None:
-    check_output_dtype_and_shape(_run(backend, case))
+    run = _run(backend, case)
+    with diagnosed(run, backend, record_property):
+        check_output_dtype_and_shape(run)
 
 
 @pytest.mark.parametrize("case", as_params(DENSE_CASES))
 def test_dense_deterministic(backend: Backend, case: DenseCase) -> None:
-    check_deterministic(_run(backend, case), backend)
+    run = _run(backend, case)
+    with diagnosed(run, backend, record_property):
+        check_deterministic(run, backend)
 
 
 @pytest.mark.parametrize("case", as_params(NONFINITE_CASES))
 def test_dense_nonfinite_policy(backend: Backend, case: DenseCase) -> None:
-    check_nonfinite_policy(_run(backend, case))
+    run = _run(backend, case)
+    with diagnosed(run, backend, record_property):
+        check_nonfinite_policy(run)
 
 
 @pytest.mark.parametrize("case", as_params(SINGLE_ROUNDING_CASES))
@@ -63,5 +71,6 @@ def test_dense_single_rounding(backend: Backend, case: DenseCase, record_propert
     record_property("strict", "single rounding (stricter than the error-bound contract)")
     for name, value in single_rounding_figures(run).properties().items():
         record_property(name, value)
-    for name in case.strict_checks:
-        NAMED_CHECKS[name](run, backend)
+    with diagnosed(run, backend, record_property):
+        for name in case.strict_checks:
+            NAMED_CHECKS[name](run, backend)

@@ -8,8 +8,8 @@ the contribution of its own experts only.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -212,11 +212,15 @@ def failing_moe_checks(backend: Backend, case: MoECase) -> dict[str, str]:
     """Every MoE check the conformance tests run, in their order, each on its own: ``{check name: first line of
     its failure}`` for those that fail (the name is the bracketed tag the failure starts with). The prepared-reuse
     check runs last, on its own run (a backend may reuse the buffer it returns)."""
-    run = run_moe_case(backend, case)
+    return failing_moe_checks_of_run(run_moe_case(backend, case), backend)
+
+
+def failing_moe_checks_of_run(run: MoERun, backend: Backend) -> dict[str, str]:
+    """:func:`failing_moe_checks` on a run already made (the prepared-reuse check makes its own)."""
     checks: list[Callable[[MoERun], Any]] = [
         lambda r: check_moe_summary_figures(check_moe_within_bound(r), r),
         lambda r: check_moe_deterministic(r, backend),
-        lambda r: check_moe_ep_sum(r) if case.ep_size > 1 else None,
+        lambda r: check_moe_ep_sum(r) if run.case.ep_size > 1 else None,
         lambda r: check_moe_input_scales_ignored(r, backend),
     ]
     failures = {}
@@ -226,10 +230,34 @@ def failing_moe_checks(backend: Backend, case: MoECase) -> dict[str, str]:
         except AssertionError as exc:
             failures.setdefault(_check_tag(str(exc)), str(exc).splitlines()[0])
     try:
-        check_moe_prepared_reuse(run_moe_case(backend, case), backend)
+        check_moe_prepared_reuse(run_moe_case(backend, run.case, run.x.device), backend)
     except AssertionError as exc:
         failures.setdefault(_check_tag(str(exc)), str(exc).splitlines()[0])
     return failures
+
+
+@contextmanager
+def diagnosed(run: MoERun | Callable[[], MoERun], backend: Backend,
+              record: Callable[[str, str], None] | None = None) -> Iterator[None]:
+    """As :func:`conformance.dense.checks.diagnosed`: on a failure inside, every MoE check is evaluated and the
+    matching rules of :mod:`conformance.moe.diagnosis` are appended as "likely cause" lines. ``run`` may be a
+    callable making a fresh run (for checks that call the backend again on the run's prepared experts)."""
+    from conformance._framework.diagnosis import format_diagnoses
+    from conformance.moe.diagnosis import diagnose_run
+
+    try:
+        yield
+    except AssertionError as exc:
+        try:
+            judged = run() if callable(run) else run
+            diagnoses = diagnose_run(judged, failing_moe_checks_of_run(judged, backend))
+        except Exception:  # noqa: BLE001 - the original failure is what the user must see
+            raise exc from None
+        if not diagnoses:
+            raise
+        if record is not None:
+            record("diagnosis", "; ".join(str(d) for d in diagnoses))
+        raise AssertionError(f"{exc}{format_diagnoses(diagnoses)}").with_traceback(exc.__traceback__) from None
 
 
 def _check_tag(message: str) -> str:

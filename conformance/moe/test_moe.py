@@ -14,6 +14,7 @@ from conformance.moe.checks import (
     check_moe_prepared_reuse,
     check_moe_summary_figures,
     check_moe_within_bound,
+    diagnosed,
     run_moe_case,
 )
 from conformance.moe.cases import MOE_CASES, MoECase
@@ -41,26 +42,33 @@ def _run(backend: Backend, case: MoECase):
 @pytest.mark.parametrize("case", as_params(MOE_CASES))
 def test_moe_matches_reference(backend: Backend, case: MoECase, record_property) -> None:
     run = _run(backend, case)
-    figures = check_moe_within_bound(run, record=lambda fig: _record(record_property, fig))
-    check_moe_summary_figures(figures, run)
-    check_moe_deterministic(run, backend)
+    with diagnosed(run, backend, record_property):
+        figures = check_moe_within_bound(run, record=lambda fig: _record(record_property, fig))
+        check_moe_summary_figures(figures, run)
+        check_moe_deterministic(run, backend)
 
 
 @pytest.mark.parametrize("case", as_params(MOE_CASES))
 def test_moe_prepared_reuse(backend: Backend, case: MoECase, record_property) -> None:
     """The same prepared experts on a second batch (the tokens rolled by one row): no state from the first call."""
-    fig = check_moe_prepared_reuse(_run(backend, case), backend)
+    run = _run(backend, case)
+    with diagnosed(lambda: run_moe_case(backend, run.case), backend, record_property):  # run's buffers are reused
+        fig = check_moe_prepared_reuse(run, backend)
     record_property("reuse_bound_ratio", fig.bound_ratio)
 
 
 @pytest.mark.parametrize("case", as_params(EP_CASES))
 def test_moe_expert_parallel_sum(backend: Backend, case: MoECase) -> None:
-    check_moe_ep_sum(_run(backend, case))
+    run = _run(backend, case)
+    with diagnosed(run, backend, record_property):
+        check_moe_ep_sum(run)
 
 
 @pytest.mark.parametrize("case", as_params(SCALE_CASES))
 def test_moe_input_scales_ignored(backend: Backend, case: MoECase) -> None:
-    check_moe_input_scales_ignored(_run(backend, case), backend)
+    run = _run(backend, case)
+    with diagnosed(run, backend, record_property):
+        check_moe_input_scales_ignored(run, backend)
 
 
 def _record(record_property, figures) -> None:

@@ -32,6 +32,8 @@ class KernelLayoutMoE(Backend):
 
     name = "KernelLayoutMoE"
     caught_by: str | None = None
+    #: the conformance.moe.diagnosis rule(s) / cross-case pattern(s) its failures must show
+    diagnosed_as: str | tuple[str, ...] | None = None
     build_chunk_rows = W13_CHUNK_ROWS
     read_chunk_rows = W13_CHUNK_ROWS
 
@@ -87,6 +89,7 @@ class GateUpSwapped(KernelLayoutMoE):
     """Loads W13 as [up; gate] and then applies the kernel interleave: gate and up change places."""
 
     caught_by = "moe_within_bound"
+    diagnosed_as = "gate_up_swapped"
 
     def checkpoint_view(self, experts):
         return replace(experts, w13=_swap_halves(experts.w13), w13_scale=_swap_halves(experts.w13_scale),
@@ -104,6 +107,7 @@ class InputScaleFoldedIntoAlpha(KernelLayoutMoE):
     """Uses the W4A4 alphas under W4A16: ``input_scale * weight_scale_2`` (engines scalarize the input scale)."""
 
     caught_by = "moe_within_bound"
+    diagnosed_as = "w4a4_alpha"
 
     def checkpoint_view(self, experts):
         if experts.w13_input_scale is None:
@@ -117,6 +121,7 @@ class RoutingWeightsIgnored(KernelLayoutMoE):
     """Sums the experts' outputs without the routing weights."""
 
     caught_by = "moe_within_bound"
+    diagnosed_as = "routing_weights_ignored"
 
     def routing(self, prepared, ids, w):
         return ids, torch.ones_like(w)
@@ -126,6 +131,7 @@ class ExpertOffsetIgnored(KernelLayoutMoE):
     """Treats global ids as local ids on every rank (local_expert_offset = 0)."""
 
     caught_by = "moe_within_bound"
+    diagnosed_as = ("expert_offset_ignored", "expert_parallel_only")
 
     def decoded(self, prepared):
         return replace(super().decoded(prepared), ep_rank=0)
@@ -135,6 +141,7 @@ class ActivationOnUpHalf(KernelLayoutMoE):
     """Applies the nonlinearity to the up half: silu(up) * gate."""
 
     caught_by = "moe_within_bound"
+    diagnosed_as = "gate_up_swapped"
 
     def decoded(self, prepared):
         ex = super().decoded(prepared)
@@ -148,6 +155,7 @@ class LastExpertDropped(KernelLayoutMoE):
     """An off-by-one in the expert loop: the rank's last local expert never runs."""
 
     caught_by = "moe_within_bound"
+    diagnosed_as = "one_expert_wrong"
 
     def routing(self, prepared, ids, w):
         ex = prepared.experts
@@ -159,6 +167,7 @@ class GateScaleForBothHalves(KernelLayoutMoE):
     """SGLang 0.5.23's CuTe DSL path: ``w13_weight_scale_2[:, 0]`` (gate) as the alpha of both halves."""
 
     caught_by = "moe_within_bound"
+    diagnosed_as = ("gate_scale_for_up", "untied_gate_up_only")
 
     def skip_reason(self, case):
         return None
@@ -174,6 +183,7 @@ class NondeterministicCombine(KernelLayoutMoE):
     (Alternating, not random, so the self-test cannot be flaky.)"""
 
     caught_by = "moe_deterministic"
+    diagnosed_as = "nondeterministic_combine"
     _calls = 0
 
     def evaluate(self, x, ids, w, experts):
@@ -200,6 +210,7 @@ class DuplicateIdsCountedOnce(KernelLayoutMoE):
     dropped with its weight, instead of adding to the first."""
 
     caught_by = "moe_within_bound"
+    diagnosed_as = ("duplicates_counted_once", "duplicate_ids_only")
 
     def routing(self, prepared, ids, w):
         ids = ids.clone()
@@ -214,6 +225,7 @@ class PaddingIdWrapsToLastExpert(KernelLayoutMoE):
     indexing) and the padded slot is computed with its garbage weight."""
 
     caught_by = "moe_within_bound"
+    diagnosed_as = "padding_slots"
 
     def routing(self, prepared, ids, w):
         e = prepared.experts.num_global_experts or prepared.experts.num_local_experts
@@ -225,6 +237,7 @@ class PaddingSlotMaskedByZeroWeight(KernelLayoutMoE):
     NaN), although a skipped slot's weight must never be read."""
 
     caught_by = "moe_within_bound"
+    diagnosed_as = "padding_slots"
 
     def routing(self, prepared, ids, w):
         offset = prepared.experts.ep_rank * prepared.experts.num_local_experts
@@ -236,6 +249,7 @@ class PaddingIdEndsTheTokensList(KernelLayoutMoE):
     """Treats -1 as the end of a token's list: the slots after the first -1 are dropped too."""
 
     caught_by = "moe_within_bound"
+    diagnosed_as = ("padding_slots", "padding_ids_only")
 
     def routing(self, prepared, ids, w):
         after = torch.cumsum((ids < 0).int(), dim=1) > 0
@@ -247,6 +261,7 @@ class TopkWeightsRenormalized(KernelLayoutMoE):
     (plain softmax top-k, DeepSeek's routed_scaling_factor)."""
 
     caught_by = "moe_within_bound"
+    diagnosed_as = "weights_renormalized"
 
     def routing(self, prepared, ids, w):
         valid = ids >= 0
@@ -258,6 +273,7 @@ class Fp16HiddenStates(KernelLayoutMoE):
     """Converts the BF16 hidden states to FP16 and back before the experts (an FP16 MoE kernel reused)."""
 
     caught_by = "moe_within_bound"
+    diagnosed_as = ("fp16_hidden", "fp16_range_only")
 
     def evaluate(self, x, ids, w, experts):
         return fused_moe_w4a16(x.half().to(torch.bfloat16), ids, w, experts)
@@ -268,6 +284,7 @@ class UnroutedRowsNotZeroed(KernelLayoutMoE):
     zero, so the expert-parallel all-reduce adds garbage."""
 
     caught_by = "moe_within_bound"
+    diagnosed_as = "unrouted_rows"
 
     def evaluate(self, x, ids, w, experts):
         out = fused_moe_w4a16(x, ids, w, experts)
