@@ -12,7 +12,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--engine",
         default=None,
-        help=f"engine under the integration harness: a built-in name (sglang) or module:attr naming "
+        help=f"engine under the integration harness: a built-in name (sglang, vllm) or module:attr naming "
         f"a LayerCodeEngine subclass (default: ${ENGINE_ENV_VAR} or 'sglang')",
     )
 
