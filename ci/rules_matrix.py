@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from conformance.rules import EngineUnavailable, engine_spec, load_rules_engine  # noqa: E402
+from conformance.rules import ENGINE_DEFAULT_PROFILES, EngineUnavailable, engine_spec, load_rules_engine  # noqa: E402
 from conformance.rules.matrix import (DEFAULT_PROFILE, MATRICES, load_matrix, load_profile,  # noqa: E402
                                         mismatch, run_case)
 from conformance.rules.oracle import AGREE, DISAGREE, NOT_APPLICABLE, tally  # noqa: E402
@@ -28,10 +28,11 @@ from conformance.rules.oracle import AGREE, DISAGREE, NOT_APPLICABLE, tally  # n
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engine", default=None, help="reference | sglang | module:attr (default $NVFP4_CONFORMANCE_ENGINE or reference)")
-    parser.add_argument("--rules-profile", default=DEFAULT_PROFILE, help="rules profile (default %(default)s)")
+    parser.add_argument("--rules-profile", default=None,
+                        help=f"rules profile (default {DEFAULT_PROFILE}; vllm-0.32 for --engine vllm)")
     parser.add_argument("--budget", type=float, default=None, help="fail if the total wall time exceeds this many seconds")
     args = parser.parse_args(argv)
-    profile = args.rules_profile
+    profile = args.rules_profile or ENGINE_DEFAULT_PROFILES.get(engine_spec(args.engine), DEFAULT_PROFILE)
     try:
         load_profile(profile)
     except ValueError as exc:
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         cases = load_matrix(name)
         counts = Counter()
         for case in cases:
-            reason = engine.unsupported(name, case.inputs)
+            reason = case.not_modelled(profile) or engine.unsupported(name, case.inputs)
             if reason:
                 counts["unsupported"] += 1
                 reasons[reason] += 1
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
             counts["failed" if problem else "passed"] += 1
             if problem:
                 failures.append(problem)
-        kinds = Counter(c.expected_for(profile)["kind"] for c in cases)
+        kinds = Counter(c.expected_for(profile)["kind"] for c in cases if not c.not_modelled(profile))
         print(f"{name:<15} {len(cases):>6} {counts['passed']:>7} {counts['failed']:>7} {counts['unsupported']:>8} "
               f"{time.perf_counter() - t0:>8.2f}  " + ", ".join(f"{k}={v}" for k, v in sorted(kinds.items())))
         totals.update(counts)

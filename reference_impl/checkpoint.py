@@ -14,6 +14,9 @@ A checkpoint directory holds ``config.json`` (the Hugging Face model config, opt
   ``o_proj`` under grouped-query attention; an absent scale is the identity, as engines initialise it)
 
 Excluded modules (``exclude_modules`` / ``ignore``, with ``*`` wildcards) keep a plain float ``.weight``.
+compressed-tensors NVFP4A16 checkpoints (``quant_method: compressed-tensors``, ``nvfp4-pack-quantized``) are read
+as W4A16_NVFP4, their tensors renamed and their encode global scales inverted by
+:mod:`reference_impl.compressed_tensors`.
 Every malformed input raises :class:`CheckpointError` naming the file or the tensor.
 """
 from __future__ import annotations
@@ -26,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from . import compressed_tensors
 from .nvfp4 import BLOCK_SIZE
 
 QUANT_ALGOS = ("NVFP4", "NVFP4_AWQ", "W4A16_NVFP4")
@@ -120,6 +124,8 @@ def read_configs(path: str | os.PathLike) -> tuple[dict, QuantConfig]:
             raise CheckpointError(f"{nested}: missing 'quantization.quant_algo'")
         quant = _validated_quant_config(q["quant_algo"], q.get("group_size"), q.get("exclude_modules", []), str(nested),
                                         q.get("kv_cache_quant_algo"))
+    elif compressed_tensors.is_compressed_tensors(hf_config.get("quantization_config")):
+        quant = _compressed_tensors_quant_config(root, hf_config["quantization_config"])
     else:
         q = hf_config.get("quantization_config")
         if not isinstance(q, dict) or "quant_algo" not in q:
@@ -131,6 +137,24 @@ def read_configs(path: str | os.PathLike) -> tuple[dict, QuantConfig]:
         kv = q.get("kv_cache_quant_algo") or ("FP8" if q.get("kv_cache_scheme") else None)
         quant = _validated_quant_config(q["quant_algo"], q.get("group_size"), exclude, str(root / CONFIG), kv)
     return hf_config, quant
+
+
+def _compressed_tensors_quant_config(root: Path, q: dict) -> QuantConfig:
+    """A compressed-tensors NVFP4A16 checkpoint is W4A16_NVFP4 with its ``ignore`` modules excluded
+    (reference_impl/compressed_tensors.py)."""
+    from safetensors import safe_open
+
+    ignore = compressed_tensors.validate_config(q, str(root / CONFIG), CheckpointError)
+    names: set[str] = set()
+    for f in sorted(root.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as handle:
+                names.update(handle.keys())
+        except Exception as exc:  # noqa: BLE001 - read_tensors reports the unreadable file the same way
+            raise CheckpointError(f"{f}: cannot read safetensors file ({exc})") from exc
+    kv = "FP8" if q.get("kv_cache_scheme") else None
+    return _validated_quant_config("W4A16_NVFP4", GROUP_SIZE, compressed_tensors.excluded_modules(ignore, names),
+                                   str(root / CONFIG), kv)
 
 
 def read_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -220,7 +244,14 @@ class Checkpoint:
 def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
     """Read configs and tensors (no model-specific validation: see :func:`check_tensors`)."""
     hf_config, quant = read_configs(path)
-    return Checkpoint(str(path), hf_config, quant, read_tensors(path))
+    tensors = read_tensors(path)
+    if compressed_tensors.is_compressed_tensors(hf_config.get("quantization_config")) and not (
+            Path(path) / HF_QUANT_CONFIG).is_file():
+        try:
+            tensors = compressed_tensors.to_modelopt(tensors)  # compressed-tensors names and encode scales
+        except ValueError as exc:
+            raise CheckpointError(f"{path}: {exc}") from exc
+    return Checkpoint(str(path), hf_config, quant, tensors)
 
 
 # ----------------------------------------------------------------------------------------- writing

@@ -16,8 +16,9 @@ from conformance.rules.matrix import MATRICES, load_matrix, load_profile, profil
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_generated_files_are_up_to_date():
-    done = subprocess.run([sys.executable, "fixtures/config_rules/generate.py", "--check"], cwd=ROOT,
+@pytest.mark.parametrize("generator", ["generate.py", "generate_vllm.py"])
+def test_generated_files_are_up_to_date(generator):
+    done = subprocess.run([sys.executable, f"fixtures/config_rules/{generator}", "--check"], cwd=ROOT,
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
 
@@ -86,13 +87,18 @@ def test_fusions_only_under_w4a4():
 def test_profile_names_its_sources_and_overrides_real_cases(profile):
     data = load_profile(profile)
     assert data["profile"] == profile and data["engine"] and data["checked_against"]
-    for src in data["sources"]:
-        assert src["repo"] and src["file"] and src["tests"] and len(src["commit"]) == 40, src
+    for src in data["sources"]:  # read at a commit of a repository, or in a released package
+        assert src["file"] and src["tests"] and (
+            (src.get("repo") and len(src.get("commit", "")) == 40) or src.get("release")), src
     ids = {m: {c.id for c in load_matrix(m)} for m in MATRICES}
     for matrix, overrides in data["overrides"].items():
         assert set(overrides) <= ids[matrix], (matrix, set(overrides) - ids[matrix])
     if profile != "sglang-0.5.23":
-        assert data["sources"] and data["overrides"], "a profile other than the default must say what changed and why"
+        assert data["sources"], "a profile other than the default must say where its rules come from"
+        # it changes the default's outcomes, or models matrices of its own (another engine's rules)
+        assert data["overrides"] or data.get("matrices"), "a profile must say what it changes or models"
+    for matrix in data.get("matrices", []):
+        assert profile in load_matrix(matrix)[0].profiles, (profile, matrix)
 
 
 def test_main_profile_accepts_w4a16_under_deepep_normal_and_picks_b12x_on_sm12x():
@@ -131,3 +137,23 @@ def test_fp4_checkpoints_select_modelopt_fp4_and_w4a16_mixed_selects_the_mixed_m
     for c in load_matrix("mixed_layers"):
         if c.inputs["module"] == "lm_head":
             assert c.expected["value"]["quant_algo"] == c.inputs["format"], c.id
+
+
+def test_vllm_w4a16_rules_restate_the_refusals():
+    """vLLM 0.32: VLLM_BATCH_INVARIANT refuses W4A16 on every GPU (CUTLASS where it exists, else emulation, neither
+    a W4A16 kernel); auto picks CuTe DSL W4A16 only on SM100/103, Humming (when installed) before Marlin on SM90;
+    a W4A16 MoE layer never gets a FlashInfer backend."""
+    for c in load_matrix("vllm_linear"):
+        want = c.expected_for("vllm-0.32")
+        if c.inputs["batch_invariant"] == "1":
+            assert want["kind"] == "raises" and "does not support W4A16" in want["match"].replace("\\", ""), c.id
+        elif c.inputs["linear_backend"] == "auto":
+            kernel = {"sm100": "FlashInferCuteDslNvFp4W4A16LinearKernel", "sm103": "FlashInferCuteDslNvFp4W4A16LinearKernel",
+                      "sm90": "HummingNvFp4LinearKernel" if c.inputs["humming"] == "installed" else "MarlinNvFp4LinearKernel"
+                      }.get(c.inputs["platform"], "MarlinNvFp4LinearKernel")
+            assert want == {"kind": "ok", "value": {"kernel": kernel}}, c.id
+    for c in load_matrix("vllm_moe"):
+        want = c.expected_for("vllm-0.32")
+        assert want["kind"] == "raises" or want["value"]["backend"] in ("MARLIN", "HUMMING"), c.id
+        with pytest.raises(LookupError, match="does not model"):
+            c.expected_for("sglang-0.5.23")

@@ -3,7 +3,7 @@
 
 Engine-neutral parts: :mod:`.standin` (emulator in place of ``flashinfer``), :mod:`.core` (adapter
 interface, scenario), :mod:`.checks`, :mod:`.cases`. One adapter module per engine
-(:mod:`.sglang`); select it with ``pytest --engine NAME|module:attr``. See docs/engine_harness.md.
+(:mod:`.sglang`, :mod:`.vllm`); select it with ``pytest --engine NAME|module:attr``. See docs/engine_harness.md.
 """
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ import os
 
 ENGINE_ENV_VAR = "NVFP4_HARNESS_ENGINE"
 DEFAULT_ENGINE = "sglang"
-BUILTIN_ENGINES = {"sglang": "conformance.engine_harness.sglang:SGLangLayerCode"}
+BUILTIN_ENGINES = {
+    "sglang": "conformance.engine_harness.sglang:SGLangLayerCode",
+    "vllm": "conformance.engine_harness.vllm:VLLMLayerCode",
+}
 
 
 class EngineLoadError(RuntimeError):

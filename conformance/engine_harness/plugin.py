@@ -13,7 +13,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--engine",
         default=None,
-        help=f"engine under test: a built-in name (reference, sglang) or module:attr naming a RulesEngine "
+        help=f"engine under test: a built-in name (reference, sglang, vllm) or module:attr naming a RulesEngine "
         f"(configuration rules) and/or LayerCodeEngine (layer code under the harness) subclass; default: "
         f"${RULES_ENGINE_ENV_VAR} or '{DEFAULT_RULES_ENGINE}' for the rules, ${ENGINE_ENV_VAR} or "
         f"'{DEFAULT_ENGINE}' for the harness",

@@ -19,6 +19,9 @@ from conformance.engine_harness.checks import failing_checks
 
 
 def _judge(engine_adapter, case, platform=None) -> None:
+    reason = engine_adapter.case_skip_reason(case)
+    if reason:
+        pytest.skip(f"{engine_adapter.name}: {reason}")
     failures = failing_checks(engine_adapter, case, platform)
     known = getattr(engine_adapter, "known_deviations", {}).get(case.id)
     if known:

@@ -4,8 +4,8 @@
 A :class:`LayerCodeEngine` builds the engine's own layer objects, feeds checkpoint tensors through the engine's
 own weight loaders and post-load processing, and says which module-level names of the engine must point at the
 emulator (:class:`~conformance.engine_harness.standin.StandIn`). The harness runs the scenario (build, load,
-forward, reload, forward) and judges what it observed. The built-in one is SGLang's
-(:class:`conformance.engine_harness.sglang.SGLangLayerCode`); select one with ``--engine NAME|module:attr``.
+forward, reload, forward) and judges what it observed. The built-ins are SGLang's
+(:class:`conformance.engine_harness.sglang.SGLangLayerCode`) and vLLM's (:class:`conformance.engine_harness.vllm.VLLMLayerCode`); select one with ``--engine NAME|module:attr``.
 Not to be confused with :class:`conformance.interfaces.rules.RulesEngine`, an engine's configuration rules.
 """
 from __future__ import annotations
@@ -77,6 +77,12 @@ class LayerCodeEngine(abc.ABC):
         """A :class:`StandIn` installing ``modules`` (the emulator's module tree, prepared by the harness)
         for ``mode``, plus the engine's own settings (env, backend selection, parallel layout for ``ckpt``)
         and patches pointing the names it bound from ``flashinfer`` at import time at ``modules``' functions."""
+
+    def case_skip_reason(self, case: Any) -> str | None:
+        """``None`` when the engine has a path for ``case`` (an engine-harness dense or MoE case), else why it
+        has none (e.g. the engine has no NVFP4 AWQ method). Optional; the reason should come from asking the
+        engine's own code, so a later version that adds the path runs the case."""
+        return None
 
     # dense -------------------------------------------------------------------------------------
     @abc.abstractmethod

@@ -8,7 +8,7 @@ pass it on verbatim, the engine's own parsing is under test. An adapter must res
 state it touches (environment variables, module globals) before returning.
 
 Select one with ``pytest --engine NAME|module:attr`` or ``NVFP4_CONFORMANCE_ENGINE``; built-ins are
-``reference`` and ``sglang`` (the real SGLang 0.5.23 code on CPU). The expected outcomes come from a rules
+``reference``, ``sglang`` (the real SGLang 0.5.23 code on CPU) and ``vllm`` (vLLM 0.32's kernel selection on CPU). The expected outcomes come from a rules
 profile (``--rules-profile``, default sglang-0.5.23). Matrices and outcomes: docs/rules.md.
 
 The methods after ``reload_param`` were added with the rule profiles; they are optional: an engine that does
@@ -125,7 +125,20 @@ class RulesEngine(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} does not implement RulesEngine.mixed_layer")
 
 
+    def vllm_linear_kernel(self, inputs: Inputs) -> dict[str, Any]:
+        """``vllm_linear``: ``platform``, ``linear_backend`` (--linear-backend), ``batch_invariant``
+        (VLLM_BATCH_INVARIANT 0|1), ``humming`` (installed|absent) -> ``{"kernel": the NVFP4 linear kernel class
+        vLLM instantiates for a W4A16_NVFP4 layer}`` (or the engine's exception)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement RulesEngine.vllm_linear_kernel")
+
+    def vllm_moe_backend(self, inputs: Inputs) -> dict[str, Any]:
+        """``vllm_moe``: ``platform``, ``moe_backend`` (--moe-backend), ``humming`` -> ``{"backend": the
+        NvFp4MoeBackend selected for a W4A16_NVFP4 MoE layer}`` (or the engine's exception)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement RulesEngine.vllm_moe_backend")
+
+
 #: matrix -> the optional RulesEngine method that answers it
 OPTIONAL_METHODS = {"fp4_backend": "fp4_gemm_backend", "moe_activation": "moe_activation",
                     "fp4_dispatch": "fp4_dispatch", "derived_param": "bind_derived_param",
-                    "quant_method": "quant_method", "mixed_layers": "mixed_layer"}
+                    "quant_method": "quant_method", "mixed_layers": "mixed_layer",
+                    "vllm_linear": "vllm_linear_kernel", "vllm_moe": "vllm_moe_backend"}

@@ -21,7 +21,8 @@ FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "config_rules"
 PROFILES_DIR = FIXTURES / "profiles"
 DEFAULT_PROFILE = "sglang-0.5.23"
 MATRICES = ("dense", "fp4_gemm", "fp4_backend", "moe", "a2a", "fusion", "moe_activation", "fp4_dispatch",
-            "quant_method", "mixed_layers", "lm_head", "reload", "derived_param", "env_flags")
+            "quant_method", "mixed_layers", "lm_head", "reload", "derived_param", "env_flags",
+            "vllm_linear", "vllm_moe")
 
 
 @functools.lru_cache(maxsize=None)
@@ -47,9 +48,25 @@ class RuleCase:
     context: dict[str, Any] = field(hash=False, default_factory=dict)
     tier: str = "cpu"
     overrides: dict[str, dict[str, Any]] = field(hash=False, default_factory=dict)  # profile -> expected
+    #: the profiles whose outcomes ``expected`` holds (a matrix of another engine's rules names them); empty:
+    #: the default profile's, overridden per profile
+    profiles: tuple[str, ...] = ()
+
+    def not_modelled(self, profile: str) -> str | None:
+        """Why ``profile`` has no expected outcome for this case (``None``: it has one)."""
+        if self.profiles and profile not in self.profiles:
+            return (f"matrix {self.matrix} holds the rules of {', '.join(self.profiles)}; rules profile {profile} "
+                    f"does not model it")
+        own = load_profile(profile).get("matrices")
+        if own is not None and self.matrix not in own:
+            return f"rules profile {profile} models only the matrices {', '.join(own)}, not {self.matrix}"
+        return None
 
     def expected_for(self, profile: str = DEFAULT_PROFILE) -> dict[str, Any]:
         load_profile(profile)  # an unknown profile is an error, not silently the default
+        reason = self.not_modelled(profile)
+        if reason:
+            raise LookupError(reason)
         return self.overrides.get(profile, self.expected)
 
     def describe(self, actual: str, profile: str = DEFAULT_PROFILE) -> str:
@@ -60,10 +77,12 @@ class RuleCase:
 
 def load_matrix(name: str) -> list[RuleCase]:
     data = json.loads((FIXTURES / f"{name}.json").read_text())
-    context = {k: v for k, v in data.items() if k not in ("cases", "matrix", "generated_by", "axes", "excluded")}
+    context = {k: v for k, v in data.items()
+               if k not in ("cases", "matrix", "generated_by", "axes", "excluded", "profiles", "about")}
     by_profile = {p: load_profile(p)["overrides"].get(name, {}) for p in profile_names()}
+    profiles = tuple(data.get("profiles", ()))
     return [RuleCase(name, c["id"], c["inputs"], c["expected"], context,
-                     overrides={p: o[c["id"]] for p, o in by_profile.items() if c["id"] in o})
+                     overrides={p: o[c["id"]] for p, o in by_profile.items() if c["id"] in o}, profiles=profiles)
             for c in data["cases"]]
 
 
@@ -181,6 +200,8 @@ _DISPATCH = {
     "reload": _reload,
     "derived_param": _derived,
     "env_flags": _env_flag,
+    "vllm_linear": lambda e, c: e.vllm_linear_kernel(c.inputs),
+    "vllm_moe": lambda e, c: e.vllm_moe_backend(c.inputs),
 }
 
 

@@ -74,6 +74,8 @@ _CHECKS = {
     "mixed_layers": ("mixed_layers", lambda e, x: e.mixed_layer(x.inputs["quantized_layers"], x.inputs["packed"],
                                                                 x.inputs["kind"], x.inputs["prefix"],
                                                                 x.inputs.get("name_mapping"))),
+    "vllm_linear": ("vllm_linear", lambda e, x: e.vllm_linear_kernel(x.inputs)),
+    "vllm_moe": ("vllm_moe", lambda e, x: e.vllm_moe_backend(x.inputs)),
 }
 CHECKS = tuple(_CHECKS)
 

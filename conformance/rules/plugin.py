@@ -4,7 +4,7 @@ which rules profile's expected outcomes they are judged by; ``rules_check``: run
 Selected by ``--engine NAME|module:attr`` (the option is shared with the integration harness plugin, which
 registers it: ``--engine sglang`` runs both against SGLang) or ``$NVFP4_CONFORMANCE_ENGINE``; default
 ``reference``. A ``module:attr`` that is not a RulesEngine (e.g. a harness LayerCodeEngine) skips the rule cases.
-The profile: ``--rules-profile NAME`` or ``$NVFP4_RULES_PROFILE``, default sglang-0.5.23
+The profile: ``--rules-profile NAME`` or ``$NVFP4_RULES_PROFILE``, default sglang-0.5.23 (vllm-0.32 for ``--engine vllm``)
 (fixtures/config_rules/profiles/). Each rule case records the engine (with its version) and the profile for
 the report (``--report-dir``).
 """
@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import pytest
 
-from conformance.rules import EngineLoadError, EngineUnavailable, engine_spec, load_rules_engine
+from conformance.rules import ENGINE_DEFAULT_PROFILES, EngineLoadError, EngineUnavailable, engine_spec, load_rules_engine
 from conformance.rules.matrix import DEFAULT_PROFILE, RuleCase, check_case, load_profile, profile_names
 
 PROFILE_ENV_VAR = "NVFP4_RULES_PROFILE"
@@ -33,7 +33,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 @pytest.fixture(scope="session")
 def rules_profile(pytestconfig: pytest.Config) -> str:
-    name = pytestconfig.getoption("--rules-profile") or os.environ.get(PROFILE_ENV_VAR) or DEFAULT_PROFILE
+    default = ENGINE_DEFAULT_PROFILES.get(engine_spec(pytestconfig.getoption("--engine", default=None)), DEFAULT_PROFILE)
+    name = pytestconfig.getoption("--rules-profile") or os.environ.get(PROFILE_ENV_VAR) or default
     try:
         load_profile(name)
     except ValueError as exc:
@@ -69,7 +70,7 @@ def rules_check(request: pytest.FixtureRequest, rules_engine, rules_profile: str
     request.node.user_properties.append(("rules_profile", rules_profile))
 
     def check(case: RuleCase) -> None:
-        reason = rules_engine.unsupported(case.matrix, case.inputs)
+        reason = case.not_modelled(rules_profile) or rules_engine.unsupported(case.matrix, case.inputs)
         if reason:
             pytest.skip(reason)
         check_case(rules_engine, case, rules_profile)

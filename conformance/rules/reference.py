@@ -9,6 +9,7 @@ from reference_impl import config_paths as P
 from reference_impl import config_rules as R
 from reference_impl import lm_head as L
 from reference_impl import reload as RL
+from reference_impl import vllm_rules as V
 
 from conformance.interfaces.rules import Inputs, RulesEngine
 
@@ -24,10 +25,11 @@ class ReferenceRules(RulesEngine):
     name = "reference"
 
     def __init__(self, profile: str = R.DEFAULT_PROFILE) -> None:
-        self.profile = R.check_profile(profile)
+        self.use_profile(profile)
 
     def use_profile(self, profile: str) -> None:
-        self.profile = R.check_profile(profile)
+        # vLLM's profile models only its own matrices (answered below); the SGLang rules take SGLang profiles
+        self.profile = profile if profile == V.PROFILE else R.check_profile(profile)
 
     def version(self) -> str:
         return f"reference_impl, rules profile {self.profile}"
@@ -91,3 +93,11 @@ class ReferenceRules(RulesEngine):
             layers = {(new + k.removeprefix(old) if k.startswith(old) else k): v for k, v in layers.items()}
         algo = P.mixed_quant_algo(layers, packed, prefix)
         return {"quant_algo": algo, "method": P.mixed_layer_method(kind, algo)}
+
+    # ---- vLLM's decisions (rules profile vllm-0.32) ----------------------------------------------------------
+
+    def vllm_linear_kernel(self, inputs: Inputs) -> dict[str, Any]:
+        return V.linear_kernel(inputs["platform"], inputs["linear_backend"], inputs["batch_invariant"], inputs["humming"])
+
+    def vllm_moe_backend(self, inputs: Inputs) -> dict[str, Any]:
+        return V.moe_backend(inputs["platform"], inputs["moe_backend"], inputs["humming"])
