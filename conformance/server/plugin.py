@@ -20,7 +20,8 @@ import pytest
 from conformance.server.configs import ServerConfig, parse_configs, reference_configs
 from conformance.server.launcher import REFERENCE_TEMPLATE, ServerProcess, ServerStartError
 from conformance.server.dialects import DIALECTS, ServerDialect, make_dialect
-from conformance.server.models import DEFAULT_MODELS, ModelCatalog, ModelError, ServedModel, remove_work_dir, work_dir
+from conformance.server.models import (DEFAULT_MODELS, SERVED_WEIGHTS, ModelCatalog, ModelError, ServedModel,
+                                      remove_work_dir, work_dir)
 from conformance.server.scenarios import SCENARIOS, Scenario, fresh_outputs, run_scenario
 
 ATTACHED = ServerConfig(1, device="attached", tier="cpu")
@@ -44,6 +45,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help="serve your own ModelOpt NVFP4 / NVFP4_AWQ / W4A16_NVFP4 checkpoint (HF layout; repeatable) "
                      "instead of the fixtures; it is only read: the second weight set and the corrupt checkpoint "
                      "are derived into a temporary directory the suite removes")
+    g.addoption("--server-weights", default="nvfp4", choices=SERVED_WEIGHTS,
+                help="what the server is given: the NVFP4 checkpoints (default), or 'bf16': BF16-dequantized "
+                     "copies of every weight set (a, b, corrupt), made by the suite into a temporary directory, "
+                     "for an engine without an NVFP4 kernel on this hardware (e.g. vLLM on CPU); reloads point "
+                     "at the copies, the truth stays the NVFP4 originals'")
     g.addoption("--tokenizer", default=None, metavar="PATH",
                 help="tokenizer.json (or a directory holding one) for --server-checkpoint checkpoints without one")
     g.addoption("--server-configs", default=None,
@@ -76,7 +82,11 @@ def pytest_configure(config: pytest.Config) -> None:
         ModelCatalog([], None, checkpoints, config.getoption("--tokenizer")).check_user_checkpoints()
     except ModelError as exc:
         raise pytest.UsageError(str(exc)) from exc
-    if checkpoints and not hasattr(config, "workerinput"):
+    bf16 = config.getoption("--server-weights") == "bf16"
+    if bf16 and config.getoption("--server-url"):
+        raise pytest.UsageError("--server-weights bf16 needs the suite to start the server (--server-cmd): the "
+                                "copies it serves are made at session start")
+    if (checkpoints or bf16) and not hasattr(config, "workerinput"):
         # the controller owns the work directory; pytest-xdist workers inherit its path
         config._nvfp4_server_work_dir = work_dir()
 
@@ -132,7 +142,8 @@ def _catalog(config: pytest.Config) -> ModelCatalog:
             families, root = [p.name[:-2]], str(p.parent)
         else:
             families = ["attached"]
-    return ModelCatalog(families, root, config.getoption("--server-checkpoint"), config.getoption("--tokenizer"))
+    return ModelCatalog(families, root, config.getoption("--server-checkpoint"), config.getoption("--tokenizer"),
+                        config.getoption("--server-weights"))
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
