@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import os
+import warnings
 
 import pytest
 
@@ -202,7 +203,14 @@ class ServerPool:
         if key in self._failed:
             pytest.fail(f"server {key} failed to start earlier:\n{self._failed[key]}", pytrace=False)
         server = self._servers.get(key)
-        if server is None or server.proc.poll() is not None:
+        if server is not None and (server.proc.poll() is not None or not make_dialect(self.api, server.url).healthy()):
+            # it died (or stopped answering) in an earlier scenario, which reported that: later scenarios get
+            # a new server instead of failing for the same reason
+            warnings.warn(f"server {key} is gone or unhealthy after an earlier scenario: starting a new one "
+                          f"(log of the old one: {server.log.name})", stacklevel=1)
+            server.stop()
+            server = None
+        if server is None:
             try:
                 server = ServerProcess(self.template, self.start_timeout, model_path=model.a,
                                        tokenizer_path=model.tokenizer, tp=cfg.tp, dp=cfg.dp, ep=cfg.ep,
