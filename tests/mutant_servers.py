@@ -9,6 +9,7 @@ The patch is applied in every rank (spawned ranks run :func:`_patched_worker` fi
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import threading
 import time
@@ -232,11 +233,29 @@ def fp32_engine() -> dict:
     return {}
 
 
+def dies_after_failed_reload() -> dict:
+    """Answers a failed reload, then the whole server exits on the next generation (as vLLM 0.32's engine
+    dies after one): the scenario suite must replace the server, not fail every later scenario on it."""
+    update, generate = Engine.update_weights_from_disk, Engine.generate
+
+    def failing_update(self, path):
+        ok, message = update(self, path)
+        self.doomed = getattr(self, "doomed", False) or not ok
+        return ok, message
+
+    def dying_generate(self, requests):
+        if getattr(self, "doomed", False):
+            os._exit(1)
+        return generate(self, requests)
+    Engine.update_weights_from_disk, Engine.generate = failing_update, dying_generate
+    return {}
+
+
 MUTANTS = {f.__name__: f for f in (reload_keeps_old_weights, reload_drops_awq_scale, nondeterministic_reduction,
                                    drops_requests_during_reload, half_loaded_on_failure, batch_dependent_numerics,
                                    rebinding_reload, logprobs_truncated, logprobs_of_next_position,
                                    reload_leaves_attention_stale, async_weight_swap, fp32_engine,
-                                   pause_aborts_in_flight_requests)}
+                                   pause_aborts_in_flight_requests, dies_after_failed_reload)}
 
 
 def _patched_worker(mutant: str, rank: int, cfg) -> None:

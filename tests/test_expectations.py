@@ -140,6 +140,19 @@ def test_gate_exit_code_follows_expectations(probe, tmp_path_factory):
     assert "## Expected failures" in report and "known rounding bug" in report
 
 
+def test_match_demands_the_recorded_failure(probe):
+    # both tests fail; only the one whose message has the recorded pattern is an expected failure
+    (probe / "match.toml").write_text(
+        '[[xfail]]\nid = "test_dense.py::test_known_bug"\nreason = "r"\nmatch = "planted failure"\n'
+        'evidence = "a probe"\n'
+        '[[xfail]]\nid = "test_dense.py::test_new_bug"\nreason = "r"\nmatch = "planted failure$"\n')
+    proc, tests = run(probe, "--expectations", "match.toml", "test_dense.py", "-k", "bug")
+    assert proc.returncode == 1
+    assert tests["test_dense.py::test_known_bug"]["outcome"] == "xfailed"
+    new = tests["test_dense.py::test_new_bug"]
+    assert new["outcome"] == "failed" and "failed for another reason than recorded" in new["message"]
+
+
 def test_malformed_file_is_a_usage_error(probe):
     (probe / "typo.toml").write_text('[[xfail]]\nid = "test_dense.py::x"\nreasn = "typo"\n')
     proc, _ = run(probe, "--expectations", "typo.toml")
@@ -155,6 +168,9 @@ def test_malformed_file_is_a_usage_error(probe):
     ('xfail = "a"\n', "'xfail' must be an array of tables"),
     ('[[xfail]]\nid = "a"\nreason = "r"\n[[unsupported]]\nid = "a"\nreason = "r"\n', "listed twice"),
     ('[[xfail]\n', "is not valid TOML"),
+    ('[[unsupported]]\nid = "a"\nreason = "r"\nmatch = "x"\n', "'match' applies to [[xfail]] entries only"),
+    ('[[xfail]]\nid = "a"\nreason = "r"\nmatch = "("\n', "not a valid regular expression"),
+    ('[[xfail]]\nid = "a"\nreason = "r"\nevidence = ""\n', "'evidence' must be a non-empty string when given"),
 ])
 def test_load_rejects_bad_files(tmp_path, text, message):
     path = tmp_path / "e.toml"

@@ -23,8 +23,11 @@ REPO = Path(__file__).resolve().parents[1]
 TWO_SCENARIOS = "repeated_requests_deterministic or reload_different_weights"
 
 
-def _suite(*args: str, api_env: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+def _suite(*args: str, api_env: str | None = None, timeout: float = 300, tmpdir: Path | None = None
+           ) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", SERVER_API_ENV))}
+    if tmpdir is not None:  # where the launcher writes one log file per server it starts
+        env["TMPDIR"] = str(tmpdir)
     if api_env is not None:
         env[SERVER_API_ENV] = api_env
     cmd = [sys.executable, "-m", "pytest", "conformance/server/test_server_scenarios.py", "-p", "no:cacheprovider", "-q",
@@ -59,3 +62,24 @@ def test_option_overrides_the_environment_and_attaches(tmp_path):
         r = _suite("--server-url", url, "--server-api", "vllm", "-k", TWO_SCENARIOS, api_env="openai")
         assert engine.weight_version > 0, "the vllm dialect never reloaded: the scenarios did not reach the server"
     assert r.returncode == 0 and "2 passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
+
+
+def test_several_apis_share_one_server_each(tmp_path):
+    """``--server-api openai,vllm``: every scenario through each API (ids start with it), API by API in the
+    order given, on one server per config and model: the openai reload scenario skips, the vllm one runs."""
+    r = _suite("--server-configs", "cpu-tp1", "--server-models", "dense-nvfp4_awq", "-k", TWO_SCENARIOS,
+               "--server-api", "openai,vllm", "-rA", tmpdir=tmp_path)
+    out = r.stdout
+    assert r.returncode == 0 and "3 passed, 1 skipped" in out, out[-3000:] + r.stderr[-2000:]
+    passed = sorted(line.split("[", 1)[1].split("]", 1)[0] for line in out.splitlines()
+                    if line.startswith("PASSED") and "test_server_scenario[" in line)
+    assert passed == ["openai-cpu-tp1-dense-nvfp4_awq-repeated_requests_deterministic",
+                      "vllm-cpu-tp1-dense-nvfp4_awq-reload_different_weights",
+                      "vllm-cpu-tp1-dense-nvfp4_awq-repeated_requests_deterministic"]
+    assert "reload_different_weights: skipped: the openai API cannot reload_weights" in out
+    assert len(list(tmp_path.glob("nvfp4-server-*.log"))) == 1  # one server served both APIs
+
+
+def test_repeated_api_is_a_usage_error():
+    r = _suite("--collect-only", "--server-api", "vllm,vllm", timeout=120)
+    assert r.returncode == 4 and "without repeats" in r.stderr, r.stderr[-2000:]

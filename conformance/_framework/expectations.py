@@ -6,18 +6,23 @@ The file is TOML (see ci/expectations/ and docs/reports.md)::
     id = "conformance/dense/test_dense.py::test_dense[flashinfer-cudnn-"
     reason = "cuDNN path rounds alpha to bf16"
     link = "https://github.com/org/repo/issues/1"   # optional
+    match = "alpha .* bf16"         # optional: a regex the failure's message must contain (re.search)
+    evidence = "report.md of run N: ..."   # optional: what showed the failure (the command, the log line)
 
     [[unsupported]]                # declared unsupported: the test is skipped with the reason
     id = "conformance/moe/test_moe.py::"
     reason = "no fused MoE in this engine"
 
 Matching tests get ``xfail(strict=True)`` (an expected failure that passes fails the run: XPASS(strict))
-or ``skip``. An entry that matches no collected test, although the run collected where it points, fails the
-run through a synthetic test ``<file>::stale[<id>]``, so the list cannot rot. Ids are relative to the
+or ``skip``. An ``xfail`` entry with ``match`` is stricter still: the test must fail *as recorded*; a
+failure whose message does not contain the pattern fails the run ("failed for another reason"), so a new
+bug cannot hide behind a known one. An entry that matches no collected test, although the run collected
+where it points, fails the run through a synthetic test ``<file>::stale[<id>]``, so the list cannot rot. Ids are relative to the
 rootdir (the repository root), as pytest prints them.
 """
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +35,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 KINDS = ("xfail", "unsupported")
-_ALLOWED_KEYS = {"id", "reason", "link"}
+_ALLOWED_KEYS = {"id", "reason", "link", "match", "evidence"}
 _KEY = pytest.StashKey["ExpectationSet"]()
 
 
@@ -44,6 +49,8 @@ class Expectation:
     id: str  # test-id prefix, relative to the rootdir
     reason: str
     link: str | None = None
+    match: str | None = None  # xfail only: a regex the failure's message must contain
+    evidence: str | None = None
 
     def describe(self) -> str:
         return self.reason + (f" ({self.link})" if self.link else "")
@@ -70,14 +77,26 @@ def load_expectations(path: str | Path) -> list[Expectation]:
             where = f"{path}: [[{kind}]] entry {n}"
             extra = set(entry) - _ALLOWED_KEYS
             if extra:
-                raise ExpectationFileError(f"{where}: unknown key(s) {sorted(extra)}; allowed: id, reason, link")
+                raise ExpectationFileError(f"{where}: unknown key(s) {sorted(extra)}; allowed: "
+                                           f"{', '.join(sorted(_ALLOWED_KEYS))}")
             for key in ("id", "reason"):
                 if not isinstance(entry.get(key), str) or not entry[key].strip():
                     raise ExpectationFileError(f"{where}: '{key}' must be a non-empty string")
+            for key in ("link", "match", "evidence"):
+                if key in entry and (not isinstance(entry[key], str) or not entry[key].strip()):
+                    raise ExpectationFileError(f"{where}: '{key}' must be a non-empty string when given")
+            if "match" in entry:
+                if kind != "xfail":
+                    raise ExpectationFileError(f"{where}: 'match' applies to [[xfail]] entries only")
+                try:
+                    re.compile(entry["match"])
+                except re.error as exc:
+                    raise ExpectationFileError(f"{where}: 'match' is not a valid regular expression: {exc}") from exc
             if entry["id"] in seen:
                 raise ExpectationFileError(f"{where}: id {entry['id']!r} is listed twice")
             seen.add(entry["id"])
-            out.append(Expectation(kind, entry["id"], entry["reason"].strip(), entry.get("link")))
+            out.append(Expectation(kind, entry["id"], entry["reason"].strip(), entry.get("link"), entry.get("match"),
+                                   entry.get("evidence")))
     return out
 
 
@@ -166,6 +185,28 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         if entry not in used and in_scope(entry.id, scopes):
             items.append(StaleExpectation.from_parent(session, entry=entry, source=exp.path))
     return result
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """An expected failure with ``match`` must fail with a message containing the pattern: outermost
+    wrapper, so it sees the report after the xfail marker turned the failure into ``xfailed``."""
+    report = yield
+    exp = item.config.stash.get(_KEY, None)
+    if exp is None or call.when != "call" or not getattr(report, "wasxfail", None) or call.excinfo is None:
+        return report
+    patterns = [e for e in exp.match(item.nodeid) if e.kind == "xfail" and e.match]
+    if not patterns:
+        return report
+    entry = patterns[0]
+    message = call.excinfo.exconly()
+    if re.search(entry.match, message):
+        return report
+    report.outcome = "failed"
+    del report.wasxfail
+    report.longrepr = (f"expected failure failed for another reason than recorded: [[xfail]] id = {entry.id!r} "
+                       f"expects a failure matching {entry.match!r}; this one was:\n{message}\n\n{report.longrepr}")
+    return report
 
 
 class StaleExpectationError(AssertionError):

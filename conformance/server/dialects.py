@@ -153,6 +153,8 @@ class VLLMDialect(OpenAIDialect):
     def _call(self, method: str, path: str, **kwargs) -> requests.Response:
         done = self._reloads_done
         r = super()._call(method, path, **kwargs)
+        if r.status_code == 500:  # an unhandled error: uvicorn has closed the connection, do not reuse it
+            self._http.close()
         while r.status_code == 503 and path == "/v1/completions" and (
                 self._reloading.is_set() or self._reloads_done != done):
             time.sleep(self.RETRY_S)  # refused by our own reload's pause: retry, bounded by the deadline
@@ -160,7 +162,8 @@ class VLLMDialect(OpenAIDialect):
             r = super()._call(method, path, **kwargs)
         if r.status_code == 404 and path in self.DEV_PATHS:
             raise AssertionError(f"{method} {path} answered 404: vLLM serves it only with VLLM_SERVER_DEV_MODE=1 "
-                                 f"(and /sleep, /wake_up only with --enable-sleep-mode)")
+                                 f"(vLLM 0.32/0.33 register every dev route with it; --enable-sleep-mode decides "
+                                 f"whether /sleep releases GPU memory, not whether the route exists)")
         return r
 
     def _completion_body(self, prompts: Sequence[str], spec: SamplingSpec) -> dict:

@@ -7,6 +7,9 @@
 * A user's checkpoint (``--server-checkpoint PATH``, repeatable): ``a`` is the user's directory, read only;
   ``b`` and ``corrupt`` are derived (conformance/server/derive.py) into the session's work directory,
   which the suite creates and removes; golden outputs are computed by the reference model, once per session.
+* ``--server-weights bf16``: every weight set of either kind is served as its BF16-dequantized copy
+  (conformance/server/bf16_copies.py), made into the session's work directory; the truth stays the NVFP4
+  original's (``ServedModel.original``).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from conformance.server.derive import derive_corrupt, derive_different_weights
 from conformance.server.golden import MAX_NEW_TOKENS, PROMPTS, GoldenTruth, label_of, load_fixture_golden
 
 DEFAULT_MODELS = ("dense-nvfp4_awq", "moe-w4a16_nvfp4")
+SERVED_WEIGHTS = ("nvfp4", "bf16")  # --server-weights
 WORK_DIR_ENV = "NVFP4_SERVER_WORK_DIR"
 USER_PREFIX = "ckpt"
 
@@ -42,9 +46,15 @@ class ServedModel:
     corrupt_tensor: str     # the one tensor ``corrupt`` lacks
     tokenizer: str          # tokenizer.json the server is started with and the prompts are encoded with
     user: bool = False      # a user's checkpoint (never written)
+    original: "ServedModel | None" = None  # BF16 copies: the NVFP4 checkpoints they were made from (the truth)
 
     def path(self, weight_set: str) -> str:
         return {"a": self.a, "b": self.b, "corrupt": self.corrupt}[weight_set]
+
+    @property
+    def truth_model(self) -> "ServedModel":
+        """The checkpoints the golden truth is of: the NVFP4 originals of BF16 copies, else these."""
+        return self.original or self
 
 
 # ----------------------------------------------------------------------------------------- tokenizers
@@ -151,8 +161,10 @@ class ModelCatalog:
     """The session's served models (fixture families or user checkpoints) and their golden truths."""
 
     def __init__(self, families: list[str], fixture_root: str | None, checkpoints: list[str],
-                 tokenizer: str | None):
-        self.families, self.fixture_root = families, fixture_root
+                 tokenizer: str | None, weights: str = "nvfp4"):
+        if weights not in SERVED_WEIGHTS:
+            raise ModelError(f"--server-weights {weights!r}: choose from {', '.join(SERVED_WEIGHTS)}")
+        self.families, self.fixture_root, self.weights = families, fixture_root, weights
         self.checkpoints = [str(Path(c).resolve()) for c in checkpoints]
         self.tokenizer = tokenizer
         self._root: Path | None = None
@@ -182,8 +194,26 @@ class ModelCatalog:
 
     def served(self, name: str) -> ServedModel:
         if name not in self._models:
-            self._models[name] = self._user_model(name) if self.checkpoints else self._fixture(name)
+            model = self._user_model(name) if self.checkpoints else self._fixture(name)
+            self._models[name] = self._bf16_copies(model) if self.weights == "bf16" else model
         return self._models[name]
+
+    def _bf16_copies(self, model: ServedModel) -> ServedModel:
+        """``model`` served as BF16-dequantized copies of its weight sets (made once per session)."""
+        from conformance.server.bf16_copies import STAMP, copy_tensor_name, write_bf16_copy
+
+        base = work_dir() / f"bf16-{model.name}"
+        with _locked(work_dir() / f"bf16-{model.name}.lock"):
+            for weight_set in ("a", "b", "corrupt"):
+                dst = base / weight_set
+                if not (dst / STAMP).is_file():
+                    shutil.rmtree(dst, ignore_errors=True)
+                    write_bf16_copy(model.path(weight_set), dst)
+        tokenizer = model.tokenizer
+        if Path(tokenizer).parent == Path(model.a):  # the checkpoint's own tokenizer: the copy has it too
+            tokenizer = str(base / "a" / Path(tokenizer).name)
+        return ServedModel(model.name, str(base / "a"), str(base / "b"), str(base / "corrupt"),
+                           copy_tensor_name(model.corrupt_tensor), tokenizer, model.user, model)
 
     def _fixture(self, family: str) -> ServedModel:
         if self._root is None:
@@ -206,6 +236,7 @@ class ModelCatalog:
         return ServedModel(name, src, str(base / "b"), str(base / "corrupt"), info["corrupt_tensor"], tokenizer, True)
 
     def truth(self, model: ServedModel, weight_set: str) -> GoldenTruth:
+        model = model.truth_model
         key = (model.name, weight_set)
         if key not in self._truths:
             self._truths[key] = self._computed(model, weight_set) if model.user else self._snapshot(model, weight_set)

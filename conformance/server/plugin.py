@@ -7,6 +7,11 @@
     pytest conformance/server/test_server_scenarios.py --server-url http://127.0.0.1:30000 \
         --server-model-path fixtures/checkpoints/dense-nvfp4_awq-a
     pytest conformance/server/test_server_scenarios.py --server-api vllm --server-cmd "vllm serve {model_path} ..."
+    pytest conformance/server/test_server_scenarios.py --server-api openai,vllm --server-cmd ...   # both, one server
+
+Test ids start with the API: ``test_server_scenario[<api>-<config>-<model>-<scenario>]``. With several APIs
+each server is started once and serves all of them, its scenarios running API by API in the order given
+(``openai,vllm``: the start-up-weight scenarios first, then the reloading ones).
 """
 from __future__ import annotations
 
@@ -14,13 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import os
+import warnings
 
 import pytest
 
 from conformance.server.configs import ServerConfig, parse_configs, reference_configs
 from conformance.server.launcher import REFERENCE_TEMPLATE, ServerProcess, ServerStartError
 from conformance.server.dialects import DIALECTS, ServerDialect, make_dialect
-from conformance.server.models import DEFAULT_MODELS, ModelCatalog, ModelError, ServedModel, remove_work_dir, work_dir
+from conformance.server.models import (DEFAULT_MODELS, SERVED_WEIGHTS, ModelCatalog, ModelError, ServedModel,
+                                      remove_work_dir, work_dir)
 from conformance.server.scenarios import SCENARIOS, Scenario, fresh_outputs, run_scenario
 
 ATTACHED = ServerConfig(1, device="attached", tier="cpu")
@@ -36,7 +43,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--server-url", default=None, help="attach to a running server (127.0.0.1 only) instead")
     g.addoption("--server-api", default=os.environ.get(SERVER_API_ENV, "sglang"), metavar="|".join(DIALECTS),
                 help=f"the API the scenarios speak (conformance/server/dialects.py; default sglang, or "
-                     f"${SERVER_API_ENV}); scenarios needing an endpoint the API lacks skip with the reason")
+                     f"${SERVER_API_ENV}); a comma-separated list runs the scenarios through each, on the same "
+                     f"servers; scenarios needing an endpoint the API lacks skip with the reason")
     g.addoption("--server-model-path", default=None,
                 help="with --server-url: the fixture checkpoint (<family>-a) it serves (default: from /get_model_info)")
     g.addoption("--server-models", default=",".join(DEFAULT_MODELS),
@@ -45,6 +53,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help="serve your own ModelOpt NVFP4 / NVFP4_AWQ / W4A16_NVFP4 checkpoint (HF layout; repeatable) "
                      "instead of the fixtures; it is only read: the second weight set and the corrupt checkpoint "
                      "are derived into a temporary directory the suite removes")
+    g.addoption("--server-weights", default="nvfp4", choices=SERVED_WEIGHTS,
+                help="what the server is given: the NVFP4 checkpoints (default), or 'bf16': BF16-dequantized "
+                     "copies of every weight set (a, b, corrupt), made by the suite into a temporary directory, "
+                     "for an engine without an NVFP4 kernel on this hardware (e.g. vLLM on CPU); reloads point "
+                     "at the copies, the truth stays the NVFP4 originals'")
     g.addoption("--tokenizer", default=None, metavar="PATH",
                 help="tokenizer.json (or a directory holding one) for --server-checkpoint checkpoints without one")
     g.addoption("--server-configs", default=None,
@@ -60,9 +73,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if config.getoption("--server-api") not in DIALECTS:
+    apis = server_apis(config)
+    unknown = [a for a in apis if a not in DIALECTS]
+    if unknown or not apis or len(set(apis)) != len(apis):
         raise pytest.UsageError(f"--server-api {config.getoption('--server-api')!r} (or ${SERVER_API_ENV}): "
-                                f"known APIs: {', '.join(DIALECTS)}")
+                                f"known APIs: {', '.join(DIALECTS)} (one, or a comma-separated list without repeats)")
     config.addinivalue_line("markers", "batch_invariance: needs batch-size invariant logprobs (not every engine promises it)")
     config.addinivalue_line("markers", "server_scenario: starts or attaches to an inference server")
     if getattr(config.option, "dist", None) == "load":
@@ -78,9 +93,17 @@ def pytest_configure(config: pytest.Config) -> None:
         ModelCatalog([], None, checkpoints, config.getoption("--tokenizer")).check_user_checkpoints()
     except ModelError as exc:
         raise pytest.UsageError(str(exc)) from exc
-    if checkpoints and not hasattr(config, "workerinput"):
+    bf16 = config.getoption("--server-weights") == "bf16"
+    if bf16 and config.getoption("--server-url"):
+        raise pytest.UsageError("--server-weights bf16 needs the suite to start the server (--server-cmd): the "
+                                "copies it serves are made at session start")
+    if (checkpoints or bf16) and not hasattr(config, "workerinput"):
         # the controller owns the work directory; pytest-xdist workers inherit its path
         config._nvfp4_server_work_dir = work_dir()
+
+
+def server_apis(config: pytest.Config) -> list[str]:
+    return [a.strip() for a in config.getoption("--server-api").split(",") if a.strip()]
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -93,14 +116,22 @@ class ServerCase:
     config: ServerConfig
     model: str
     scenario: Scenario
+    api: str = "sglang"
 
     @property
     def id(self) -> str:
-        return f"{self.config.id}-{self.model}-{self.scenario.id}"
+        return f"{self.api}-{self.config.id}-{self.model}-{self.scenario.id}"
 
     @property
     def tier(self) -> str:
         return self.config.tier
+
+    def servers(self) -> list[tuple[str, str]]:
+        """The (config id, model) of every server this case talks to."""
+        keys = [(self.config.id, self.model)]
+        if self.scenario.needs_tp_baseline:
+            keys.append((self.config.single_rank().id, self.model))
+        return keys
 
 
 def _configs(config: pytest.Config) -> list[ServerConfig]:
@@ -134,36 +165,43 @@ def _catalog(config: pytest.Config) -> ModelCatalog:
             families, root = [p.name[:-2]], str(p.parent)
         else:
             families = ["attached"]
-    return ModelCatalog(families, root, config.getoption("--server-checkpoint"), config.getoption("--tokenizer"))
+    return ModelCatalog(families, root, config.getoption("--server-checkpoint"), config.getoption("--tokenizer"),
+                        config.getoption("--server-weights"))
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "server_case" not in metafunc.fixturenames:
         return
     params = []
-    for cfg in _configs(metafunc.config):
-        for name in _catalog(metafunc.config).names():
-            for scenario in SCENARIOS:
-                if scenario.needs_tp_baseline and (cfg.world == 1 or cfg is ATTACHED):
-                    continue
-                case = ServerCase(cfg, name, scenario)
-                # one xdist group per server: with `-n N --dist loadgroup` each server starts once
-                marks = [getattr(pytest.mark, cfg.tier), pytest.mark.server_scenario,
-                         pytest.mark.xdist_group(f"server-{cfg.id}-{name}")]
-                marks += [getattr(pytest.mark, m) for m in scenario.marks]
-                params.append(pytest.param(case, id=case.id, marks=marks))
+    # model by model (each model's servers finish before the next model's start: ServerPool.release), then
+    # config, then API in the order given
+    for name in _catalog(metafunc.config).names():
+        for cfg in _configs(metafunc.config):
+            for api in server_apis(metafunc.config):
+                for scenario in SCENARIOS:
+                    if scenario.needs_tp_baseline and (cfg.world == 1 or cfg is ATTACHED):
+                        continue
+                    case = ServerCase(cfg, name, scenario, api)
+                    # one xdist group per server: with `-n N --dist loadgroup` each server starts once
+                    marks = [getattr(pytest.mark, cfg.tier), pytest.mark.server_scenario,
+                             pytest.mark.xdist_group(f"server-{cfg.id}-{name}")]
+                    marks += [getattr(pytest.mark, m) for m in scenario.marks]
+                    params.append(pytest.param(case, id=case.id, marks=marks))
     metafunc.parametrize("server_case", params)
 
 
 class ServerPool:
-    """Servers started on demand, one per (config, model), stopped at session end."""
+    """Servers started on demand, one per (config, model), each stopped after the last test of the session
+    that uses it (under pytest-xdist a worker may not run that test: then at session end)."""
 
-    def __init__(self, config: pytest.Config, log_dir: Path | None = None):
-        self.pconfig = config
+    def __init__(self, config: pytest.Config, session: pytest.Session | None = None, log_dir: Path | None = None):
+        self.pconfig, self.session = config, session
         self.log_dir = log_dir  # server logs (pytest's temporary directory); a passing server's log is removed
+        self._last_use: dict[tuple[str, str], str] | None = None
         self.template = config.getoption("--server-cmd") or REFERENCE_TEMPLATE
         self.url = config.getoption("--server-url")
-        self.api = config.getoption("--server-api")
+        self.apis = server_apis(config)
+        self.api = self.apis[0]  # the one a server is started and health-polled with
         self.start_timeout = config.getoption("--server-start-timeout")
         self.timeout = config.getoption("--server-timeout")
         self.catalog = _catalog(config)
@@ -184,32 +222,50 @@ class ServerPool:
         except ModelError as exc:
             pytest.fail(str(exc), pytrace=False)
 
-    def client(self, cfg: ServerConfig, model: ServedModel) -> ServerDialect:
-        key = (cfg.id, model.name)
+    def client(self, cfg: ServerConfig, model: ServedModel, api: str | None = None) -> ServerDialect:
+        api, key = api or self.api, (cfg.id, model.name)
         if cfg is ATTACHED:
-            client = make_dialect(self.api, self.url)
+            client = make_dialect(api, self.url)
             if key not in self._fresh:
                 self._fresh[key] = fresh_outputs(client)
             return client
         if key in self._failed:
             pytest.fail(f"server {key} failed to start earlier:\n{self._failed[key]}", pytrace=False)
         server = self._servers.get(key)
-        if server is None or server.proc.poll() is not None:
+        if server is not None and (server.proc.poll() is not None or not self._healthy(server.url)):
+            # it died (or stopped answering) in an earlier scenario, which reported that: later scenarios get
+            # a new server instead of failing for the same reason
+            warnings.warn(f"server {key} is gone or unhealthy after an earlier scenario: starting a new one "
+                          f"(log of the old one: {server.log.name})", stacklevel=1)
+            server.failed = True  # keep the log the warning names
+            server.stop()
+            server = None
+        if server is None:
             try:
-                server = ServerProcess(self.template, self.start_timeout, model_path=model.a,
-                                       tokenizer_path=model.tokenizer, tp=cfg.tp, dp=cfg.dp, ep=cfg.ep,
-                                       device=cfg.device, api=self.api, log_dir=self.log_dir)
+                server = ServerProcess(self.template, self.start_timeout, env=self._launch_env(),
+                                       model_path=model.a, tokenizer_path=model.tokenizer, tp=cfg.tp, dp=cfg.dp,
+                                       ep=cfg.ep, device=cfg.device, api=self.api, log_dir=self.log_dir)
             except ServerStartError as exc:
                 self._failed[key] = str(exc)
                 raise
             self._servers[key] = server
-            client = make_dialect(self.api, server.url)
-            self._fresh[key] = fresh_outputs(client)
-            return client
-        return make_dialect(self.api, server.url)
+            self._fresh[key] = fresh_outputs(make_dialect(self.api, server.url))
+        return make_dialect(api, server.url)
+
+    def _healthy(self, url: str) -> bool:
+        """Healthy by every API of the session (an OpenAI API may list its model while the engine is dead)."""
+        return all(make_dialect(api, url).healthy() for api in self.apis)
+
+    def _launch_env(self) -> dict[str, str]:
+        """What the other APIs of this session need of a server (the first API's the launcher sets itself),
+        unless the environment has it."""
+        env: dict[str, str] = {}
+        for api in self.apis[1:]:
+            env.update({k: v for k, v in DIALECTS[api].launch_env.items() if k not in os.environ})
+        return env
 
     def run(self, case: ServerCase, record_property=None) -> None:
-        reason = case.scenario.skip_reason(DIALECTS[self.api])
+        reason = case.scenario.skip_reason(DIALECTS[case.api])
         if reason:  # before starting a server for it
             pytest.skip(reason)
         model = self.model(case.model)
@@ -217,8 +273,8 @@ class ServerPool:
             truths = {s: self.catalog.truth(model, s) for s in ("a", "b")}
         except ModelError as exc:
             pytest.fail(str(exc), pytrace=False)
-        client = self.client(case.config, model)
-        baseline = self.client(case.config.single_rank(), model) if case.scenario.needs_tp_baseline else None
+        client = self.client(case.config, model, case.api)
+        baseline = self.client(case.config.single_rank(), model, case.api) if case.scenario.needs_tp_baseline else None
         fresh = self._fresh.get((case.config.id, model.name))
         try:
             result = run_scenario(case.scenario, client, model, truths, baseline, case.config.tp, self.timeout,
@@ -229,7 +285,7 @@ class ServerPool:
                 raise
             pytest.fail(f"{exc}\n{report}", pytrace=False)
         if record_property is not None:
-            record_property("server_api", self.api)
+            record_property("server_api", case.api)
             record_property("golden_tokens_compared", result.compared)
             record_property("bound_ratio", round(result.worst_ratio, 4))
 
@@ -237,6 +293,21 @@ class ServerPool:
         """The exit code and log of the started server of ``cfg`` that exited mid-scenario, else None."""
         server = self._servers.get((cfg.id, model.name))
         return server.failure_report() if server is not None else None
+
+    def release(self, nodeid: str) -> None:
+        """Stop the servers whose last use (in the session's test order) was test ``nodeid``: heavyweight
+        engines then run one (or a TP baseline and one) at a time."""
+        if self.session is None:
+            return
+        if self._last_use is None:
+            self._last_use = {}
+            for item in self.session.items:
+                case = getattr(getattr(item, "callspec", None), "params", {}).get("server_case")
+                if isinstance(case, ServerCase):
+                    self._last_use.update({key: item.nodeid for key in case.servers()})
+        for key, last in self._last_use.items():
+            if last == nodeid and key in self._servers:
+                self._servers.pop(key).stop()
 
     def stop_all(self) -> None:
         for server in self._servers.values():
@@ -246,6 +317,6 @@ class ServerPool:
 
 @pytest.fixture(scope="session")
 def server_pool(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    pool = ServerPool(request.config, tmp_path_factory.mktemp("server-logs"))
+    pool = ServerPool(request.config, request.session, tmp_path_factory.mktemp("server-logs"))
     yield pool
     pool.stop_all()

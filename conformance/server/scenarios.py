@@ -22,6 +22,7 @@ import pytest
 
 from conformance.server.bounds import RELOAD_LOGPROB_TOL, tp_logprob_bound
 from conformance.server.client import Deadline, Generation
+from conformance.server.bf16_copies import verify_corrupt_copy
 from conformance.server.derive import verify_corrupt
 from conformance.server.dialects import ServerDialect, SamplingSpec
 from conformance.server.golden import GREEDY, PROMPTS, GoldenResult, GoldenTruth, compare_sampled_with_reference, compare_with_golden
@@ -169,9 +170,13 @@ def failed_reload_missing_path(ctx: ScenarioContext) -> None:
 def failed_reload_corrupt_checkpoint(ctx: ScenarioContext) -> None:
     """Different weights with one tensor of the last layer missing: a loader that copies tensor by tensor
     before validating would leave half-loaded weights; the old weights must keep serving unchanged. The
-    corrupt checkpoint is first verified to be exactly ``b`` minus that tensor (else this would test nothing)."""
+    corrupt checkpoint is first verified to be exactly ``b`` minus that tensor (else this would test nothing;
+    with BF16 copies, both the original and the copy)."""
+    original = ctx.model.truth_model
     try:
-        verify_corrupt(ctx.model.b, ctx.model.corrupt, ctx.model.corrupt_tensor)
+        verify_corrupt(original.b, original.corrupt, original.corrupt_tensor)
+        if ctx.model.original is not None:  # BF16 copies: the copy of corrupt is the copy of b minus that linear
+            verify_corrupt_copy(ctx.model.b, ctx.model.corrupt, ctx.model.corrupt_tensor)
     except AssertionError as exc:
         raise AssertionError(f"failed_reload_corrupt_checkpoint: the corrupt checkpoint is not broken as intended, "
                              f"so the scenario would test nothing: {exc}") from exc
@@ -271,7 +276,8 @@ def tp_agreement(ctx: ScenarioContext) -> None:
     mine, base = _greedy(ctx.client), _greedy(ctx.baseline)
     check_golden(ctx, mine, "a", f"tp_agreement: TP{ctx.tp}")
     check_golden(ctx, base, "a", "tp_agreement: the TP1 baseline", tp=1)
-    layers, max_logit = reference_logit_scale(ctx.model.a, ctx.model.tokenizer, [list(PROMPTS)])
+    truth = ctx.model.truth_model
+    layers, max_logit = reference_logit_scale(truth.a, truth.tokenizer, [list(PROMPTS)])
     bound = tp_logprob_bound(layers, ctx.tp, max_logit)
     for prompt, m, b in zip(PROMPTS, mine, base):
         for j, (lm, lb) in enumerate(zip(m.logprobs, b.logprobs)):

@@ -4,5 +4,8 @@ any engine through ``--server-cmd`` or ``--server-url``, on the fixture checkpoi
 the scenarios themselves are in conformance/server/scenarios.py."""
 
 
-def test_server_scenario(server_case, server_pool, record_property):
-    server_pool.run(server_case, record_property)
+def test_server_scenario(server_case, server_pool, record_property, request):
+    try:
+        server_pool.run(server_case, record_property)
+    finally:
+        server_pool.release(request.node.nodeid)
