@@ -42,21 +42,21 @@ def _record(record_property, figures) -> None:
 
 
 @pytest.mark.parametrize("case", as_params(DENSE_CASES))
-def test_dense_output_dtype_and_shape(backend: Backend, case: DenseCase) -> None:
+def test_dense_output_dtype_and_shape(backend: Backend, case: DenseCase, record_property) -> None:
     run = _run(backend, case)
     with diagnosed(run, backend, record_property):
         check_output_dtype_and_shape(run)
 
 
 @pytest.mark.parametrize("case", as_params(DENSE_CASES))
-def test_dense_deterministic(backend: Backend, case: DenseCase) -> None:
+def test_dense_deterministic(backend: Backend, case: DenseCase, record_property) -> None:
     run = _run(backend, case)
     with diagnosed(run, backend, record_property):
         check_deterministic(run, backend)
 
 
 @pytest.mark.parametrize("case", as_params(NONFINITE_CASES))
-def test_dense_nonfinite_policy(backend: Backend, case: DenseCase) -> None:
+def test_dense_nonfinite_policy(backend: Backend, case: DenseCase, record_property) -> None:
     run = _run(backend, case)
     with diagnosed(run, backend, record_property):
         check_nonfinite_policy(run)

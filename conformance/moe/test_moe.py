@@ -58,14 +58,14 @@ def test_moe_prepared_reuse(backend: Backend, case: MoECase, record_property) ->
 
 
 @pytest.mark.parametrize("case", as_params(EP_CASES))
-def test_moe_expert_parallel_sum(backend: Backend, case: MoECase) -> None:
+def test_moe_expert_parallel_sum(backend: Backend, case: MoECase, record_property) -> None:
     run = _run(backend, case)
     with diagnosed(run, backend, record_property):
         check_moe_ep_sum(run)
 
 
 @pytest.mark.parametrize("case", as_params(SCALE_CASES))
-def test_moe_input_scales_ignored(backend: Backend, case: MoECase) -> None:
+def test_moe_input_scales_ignored(backend: Backend, case: MoECase, record_property) -> None:
     run = _run(backend, case)
     with diagnosed(run, backend, record_property):
         check_moe_input_scales_ignored(run, backend)
