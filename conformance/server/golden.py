@@ -35,6 +35,7 @@ import torch
 from conformance._framework.snapshots import Approx, deserialize_entries, snapshot_root
 from conformance.server.bounds import golden_bound
 from conformance.server.client import Generation
+from conformance.server.fidelity import check_logprob_fidelity
 
 PROMPTS = ("the city of water", "a new river and the old stone tree", "music of the sea and the moon",
            "people of the north")
@@ -199,6 +200,7 @@ def compare_with_golden(outputs: list[Generation], truth: GoldenTruth, tp: int, 
     golden outputs of ``truth`` within the derived bounds; return what was compared."""
     g, result = truth.golden, GoldenResult()
     assert len(outputs) == len(g.prompt_ids), f"{what}: {len(outputs)} outputs for {len(g.prompt_ids)} prompts"
+    check_logprob_fidelity([x for out in outputs for x in (out.logprobs or ())], what)
     for i, (prompt, out) in enumerate(zip(prompts, outputs)):
         where = f"{what}: prompt {prompt!r}"
         if out.prompt_tokens is not None and out.prompt_tokens != len(g.prompt_ids[i]):
@@ -254,6 +256,7 @@ def compare_sampled_with_reference(outputs: list[Generation], truth: GoldenTruth
     outputs, and the comparison of that prompt stops there if a branch explains it."""
     g, result = truth.golden, GoldenResult()
     assert len(outputs) == len(g.prompt_ids), f"{what}: {len(outputs)} outputs for {len(g.prompt_ids)} prompts"
+    check_logprob_fidelity([x for out in outputs for x in (out.logprobs or ())], what)
     for i, (prompt, out) in enumerate(zip(prompts, outputs)):
         where = f"{what}: prompt {prompt!r}"
         assert out.logprobs is not None and len(out.logprobs) >= len(out.ids), f"{where}: no logprobs returned"
