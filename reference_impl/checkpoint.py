@@ -186,7 +186,7 @@ class TensorSpec:
     tensor is accepted for scalars, as exporters write either)."""
 
     name: str
-    dtype: torch.dtype
+    dtype: torch.dtype | tuple[torch.dtype, ...]  # a tuple: any of them
     shape: tuple[int, ...]
     required: bool = True
 
@@ -219,8 +219,10 @@ def check_tensors(tensors: dict[str, torch.Tensor], specs: list[TensorSpec], sou
             if spec.required:
                 raise CheckpointError(f"{source}: missing tensor {spec.name!r}")
             continue
-        if t.dtype != spec.dtype:
-            raise CheckpointError(f"{source}: tensor {spec.name!r} has dtype {t.dtype}, expected {spec.dtype}")
+        allowed = spec.dtype if isinstance(spec.dtype, tuple) else (spec.dtype,)
+        if t.dtype not in allowed:
+            raise CheckpointError(f"{source}: tensor {spec.name!r} has dtype {t.dtype}, expected "
+                                  f"{' or '.join(str(d) for d in allowed)}")
         shape_ok = tuple(t.shape) == spec.shape or (spec.shape == () and t.numel() == 1)
         if not shape_ok:
             raise CheckpointError(

@@ -8,7 +8,9 @@ start from logits instead of hand-made ids:
   without).
 * :func:`sigmoid_topk_with_bias` -- DeepSeek-V3 style: per-expert sigmoid scores, the expert *choice*
   uses ``score + correction_bias`` while the *weights* are the unbiased scores of the chosen experts,
-  renormalized and multiplied by ``routed_scaling_factor``.
+  renormalized and multiplied by ``routed_scaling_factor``; with ``n_group`` / ``topk_group`` the choice is
+  restricted to the ``topk_group`` groups (of ``n_group`` contiguous experts) whose two best biased scores
+  sum highest (DeepSeek-V3's ``noaux_tc``).
 
 Ids are int32 (what fused-MoE kernels take), weights float32. Ties between equal scores are broken
 by ``torch.topk`` (lowest index first on CPU); cases use continuous random logits so ties do not occur.
@@ -44,19 +46,44 @@ def sigmoid_topk_with_bias(
     top_k: int,
     renormalize: bool = True,
     routed_scaling_factor: float = 1.0,
+    n_group: int = 1,
+    topk_group: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sigmoid routing with a score-correction bias (DeepSeek-V3's ``e_score_correction_bias``):
-    choose by ``sigmoid(logits) + bias``, weigh by ``sigmoid(logits)`` of the chosen experts.
-    Grouped selection (``n_group``/``topk_group``) is not modelled: it only restricts the candidates."""
+    choose by ``sigmoid(logits) + bias`` among the experts of the ``topk_group`` best groups
+    (:func:`allowed_by_groups`), weigh by ``sigmoid(logits)`` of the chosen experts."""
     _check_logits(logits, top_k)
     if correction_bias.shape != (logits.shape[1],):
         raise ValueError(f"correction bias shape {tuple(correction_bias.shape)} != ({logits.shape[1]},)")
     scores = torch.sigmoid(logits.float())
-    _, ids = torch.topk(scores + correction_bias.float(), top_k, dim=-1)
+    choice = scores + correction_bias.float()
+    allowed = allowed_by_groups(choice, n_group, topk_group)
+    _, ids = torch.topk(choice.masked_fill(~allowed, float("-inf")), top_k, dim=-1)
     weights = scores.gather(-1, ids)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return ids.to(torch.int32), (weights * routed_scaling_factor).float()
+
+
+def group_scores(choice: torch.Tensor, n_group: int) -> torch.Tensor:
+    """``[T, n_group]``: the sum of the two best biased scores of each group of contiguous experts."""
+    t, e = choice.shape
+    if e % n_group:
+        raise ValueError(f"{e} experts cannot form {n_group} equal groups")
+    per = choice.view(t, n_group, e // n_group)
+    return per.topk(min(2, e // n_group), dim=-1).values.sum(-1)
+
+
+def allowed_by_groups(choice: torch.Tensor, n_group: int, topk_group: int,
+                      groups: torch.Tensor | None = None) -> torch.Tensor:
+    """``[T, E]`` bool: the experts of the ``topk_group`` best groups (or of the given ``groups [T, g]``)."""
+    t, e = choice.shape
+    if n_group <= 1 or topk_group >= n_group:
+        return torch.ones_like(choice, dtype=torch.bool)
+    if groups is None:
+        groups = torch.topk(group_scores(choice, n_group), topk_group, dim=-1).indices
+    mask = torch.zeros(t, n_group, dtype=torch.bool, device=choice.device).scatter_(1, groups, True)
+    return mask.repeat_interleave(e // n_group, dim=1)
 
 
 def route_all_to_one(

@@ -46,15 +46,11 @@ class Fp32EngineModel(TinyModel):
         y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
         return (y * self.w[name].float()).to(BF16)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        t, hd = q.shape[0], q.shape[-1]
-        cos, sin = self.rope(torch.arange(t, device=q.device))
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        q = q * cos + self._rotate_half(q) * sin
-        k = k * cos + self._rotate_half(k) * sin
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        t = q.shape[0]
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * hd ** -0.5
+        scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
         causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
         probs = F.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
         return torch.einsum("hqk,khd->qhd", probs, v.float()).to(BF16).reshape(t, -1)
@@ -65,14 +61,17 @@ class Fp32EngineModel(TinyModel):
         h = (F.silu(g.float()) * u.float()).to(BF16)
         return self._proj(h, f"{p}.down_proj", self.comm.attn_all_reduce)
 
-    def moe(self, x: torch.Tensor, p: str) -> torch.Tensor:
+    def moe(self, x: torch.Tensor, layer: int) -> torch.Tensor:
         xs, mine = self.comm.moe_gather(x)
-        ids, weights = self.route(xs, p)
+        ids, weights = self.route(xs, layer)
         if self._experts is None:
             self.prepare()
-        out = fused_moe_w4a16(xs, ids, weights, self._experts[p], accum_dtype=torch.float32,
+        out = fused_moe_w4a16(xs, ids, weights, self._experts[layer], accum_dtype=torch.float32,
                               out_dtype=torch.bfloat16)
-        return self.comm.moe_all_reduce(out.double())[mine].to(BF16)
+        routed = self.comm.moe_all_reduce(out.double())[mine].to(BF16)
+        if not self.cfg.n_shared_experts:
+            return routed
+        return routed + self.dense_mlp(x, f"{self.cfg.mlp_prefix(layer)}.shared_experts")
 
     def logits(self, seqs: list[torch.Tensor]) -> torch.Tensor:
         h = self.hidden_states(seqs)

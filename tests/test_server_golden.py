@@ -10,7 +10,9 @@ what the reference model computes, and the derived bound accepts correct engines
   variant (tests/engine_variants.py) at TP1 and TP2 (in-process, partial sums rounded per rank) pass the
   comparison; the worst ratio is recorded (``bound_ratio``; below 0.5 on dense models, where rounding is
   the only difference; MoE near-tie routings can use more, or be explained by a branch).
-* ``test_golden_check_sees``: wrong logprobs, wrong weights and illegitimate divergences fail it.
+* ``test_golden_check_sees``: wrong logprobs, wrong weights and illegitimate divergences fail it;
+  ``test_coarsened_logprobs_are_caught``: so do logprobs rounded to a grid (inside the bound), while float32
+  logprobs pass (``test_float32_logprobs_pass``).
 """
 from __future__ import annotations
 
@@ -91,7 +93,7 @@ def test_golden_bounds_are_tight_enough(family, weight_set, record_property):
 
 
 # ----------------------------------------------------------------------------------------- correct arithmetic passes
-def _greedy(model: TinyModel, prompts: list[list[int]]) -> list[Generation]:
+def _greedy(model: TinyModel, prompts: list[list[int]], logprob_dtype=torch.float64) -> list[Generation]:
     outs = []
     with torch.no_grad():
         for prompt in prompts:
@@ -100,7 +102,7 @@ def _greedy(model: TinyModel, prompts: list[list[int]]) -> list[Generation]:
                 logits = model.last_logits([torch.tensor(seq)])[0]
                 tok = int(torch.argmax(logits))
                 ids.append(tok)
-                lps.append(float(torch.log_softmax(logits.double(), -1)[tok]))
+                lps.append(float(torch.log_softmax(logits.to(logprob_dtype), -1)[tok]))
                 seq.append(tok)
             outs.append(Generation("", tuple(ids), tuple(lps), None, len(prompt)))
     return outs
@@ -168,6 +170,12 @@ def _with_logprobs(outs: list[Generation], f) -> list[Generation]:
     return [dataclasses.replace(o, logprobs=tuple(f(list(o.logprobs)))) for o in outs]
 
 
+COARSENED = {
+    "decimal-0.01": lambda x: round(x, 2),
+    "decimal-0.001": lambda x: round(x, 3),
+    "float16": lambda x: float(torch.tensor(x).half()),
+    "bfloat16": lambda x: float(torch.tensor(x).bfloat16()),
+}
 SEEN = {
     "logprobs-truncated-to-integers": lambda outs: _with_logprobs(outs, lambda lps: [float(int(x)) for x in lps]),
     "logprobs-of-the-next-position": lambda outs: _with_logprobs(outs, lambda lps: lps[1:] + lps[-1:]),
@@ -175,6 +183,26 @@ SEEN = {
     "first-token-replaced": lambda outs: [dataclasses.replace(o, ids=((o.ids[0] + 1) % 128,) + o.ids[1:]) for o in outs],
     "prompt-tokenized-differently": lambda outs: [dataclasses.replace(o, prompt_tokens=o.prompt_tokens + 1) for o in outs],
 }
+
+
+@pytest.mark.parametrize("family", ["dense-nvfp4_awq", "moe-w4a16_nvfp4"])
+@pytest.mark.parametrize("coarsening", list(COARSENED))
+def test_coarsened_logprobs_are_caught(family, coarsening):
+    """Logprobs rounded to a decimal grid or passed through a 16-bit float, errors inside the golden bound: the
+    fidelity check (conformance/server/fidelity.py) sees them; float32 logprobs (as engines return them, also
+    computed by a float32 log-softmax) pass."""
+    truth, outs = _reference_outputs(family, "a")
+    with pytest.raises(AssertionError, match="logprobs are coarsened: all 32 of them lie on the"):
+        compare_with_golden(_with_logprobs(outs, lambda lps: [COARSENED[coarsening](x) for x in lps]), truth, 1, "c")
+
+
+@pytest.mark.parametrize("family", ["dense-nvfp4_awq", "moe-w4a16_nvfp4"])
+def test_float32_logprobs_pass(family):
+    truth, outs = _reference_outputs(family, "a")
+    compare_with_golden(_with_logprobs(outs, lambda lps: [float(torch.tensor(x).float()) for x in lps]), truth, 1, "f32")
+    exact = truth.exact()
+    fp32 = _greedy(TinyModel(exact.cfg, exact.weights), truth.golden.prompt_ids, logprob_dtype=torch.float32)
+    compare_with_golden(fp32, truth, 1, "float32 log-softmax")
 
 
 @pytest.mark.parametrize("error", list(SEEN))

@@ -35,6 +35,7 @@ import torch
 from conformance._framework.snapshots import Approx, deserialize_entries, snapshot_root
 from conformance.server.bounds import golden_bound
 from conformance.server.client import Generation
+from conformance.server.fidelity import check_logprob_fidelity
 
 PROMPTS = ("the city of water", "a new river and the old stone tree", "music of the sea and the moon",
            "people of the north")
@@ -84,11 +85,12 @@ def golden_from_entries(entries: dict):
                      entries["top_gaps"], entries["route_gaps"], entries["route_var"])
 
 
-def compute_golden(path: str, prompt_ids: list[list[int]], variances: bool = True):
+def compute_golden(path: str, prompt_ids: list[list[int]], variances: bool = True, device: str | None = None,
+                   candidates: list[list[int]] | None = None):
     """The golden outputs of checkpoint ``path`` by the reference model (what the snapshots hold)."""
     from reference_impl.golden import ExactModel
 
-    return ExactModel(path).golden(prompt_ids, MAX_NEW_TOKENS, variances=variances)
+    return ExactModel(path, device).golden(prompt_ids, MAX_NEW_TOKENS, variances=variances, candidates=candidates)
 
 
 def load_fixture_golden(family: str, weight_set: str):
@@ -109,13 +111,14 @@ class GoldenTruth:
     path: str
     golden: object  # reference_impl.golden.GoldenSet
     _exact: object = field(default=None, repr=False)
+    device: str | None = None  # where the reference model runs (--truth-device; None: CUDA if available)
     _forced: dict = field(default_factory=dict, repr=False)  # (prompt, continuation, temperature) -> ForcedPath
 
     def exact(self):
         if self._exact is None:
             from reference_impl.golden import ExactModel
 
-            self._exact = ExactModel(self.path)
+            self._exact = ExactModel(self.path, self.device)
             if self._exact.digest != self.golden.checkpoint_digest:
                 raise AssertionError(f"{self.path}: the checkpoint changed since its golden outputs were made")
         return self._exact
@@ -141,28 +144,30 @@ class GoldenTruth:
             return None
 
         return self.search_branches(g.prompt_ids[prompt], g.output_ids[prompt].tolist(), step, accept,
-                                    lambda t, layer: float(golden_bound(g.route_var[prompt, t, layer], tp)))
+                                    lambda t, s: float(golden_bound(g.route_var[prompt, t, s], tp)))
 
     def search_branches(self, ids: list[int], cont: list[int], step: int, accept, route_bound) -> str | None:
-        """Breadth first over sets of near-tie routing flips on the path ``ids + cont`` (a decision at
-        (position t, layer) is a near tie when its gap is within ``route_bound(t, layer)``), at most
-        MAX_BRANCHES forwards: the first branch whose step logits ``accept`` (a description, or None)."""
+        """Breadth first over sets of near-tie routing flips on the path ``ids + cont`` (a decision of slot s at
+        position t is a near tie when its gap is within ``route_bound(t, s)``), at most MAX_BRANCHES forwards:
+        the first branch whose step logits ``accept`` (a description, or None)."""
+        from reference_impl.truth.instrument import slot
+
         ex, last = self.exact(), len(ids) - 1 + step
         queue, seen, spent = [{}], {()}, 0
         while queue and spent < MAX_BRANCHES:
             forced = queue.pop(0)
-            logits, routers = ex.branch(ids, cont, forced)
+            logits, routes = ex.branch(ids, cont, forced)
             spent += 1
             why = accept(logits[step])
             if why:
                 return f"routing {sorted(forced)} taken the other way (a branch of near ties) {why}"
-            for layer, router in enumerate(routers):
-                ranked = torch.topk(router, ex.cfg.top_k + 1, dim=-1)
-                for t in range(min(last + 1, router.shape[0])):
-                    gap = float(ranked.values[t, -2] - ranked.values[t, -1])
-                    if (layer, t) in forced or gap > route_bound(t, layer):
+            for decision in routes:
+                s = slot(ex.cfg, decision.layer, decision.kind)
+                gaps = decision.gaps.tolist()
+                for t in range(min(last + 1, len(gaps))):
+                    if (s, t) in forced or not math.isfinite(gaps[t]) or gaps[t] > route_bound(t, s):
                         continue
-                    nxt = {**forced, (layer, t): (int(ranked.indices[t, -2]), int(ranked.indices[t, -1]))}
+                    nxt = {**forced, (s, t): decision.flips[t]}
                     key = tuple(sorted(nxt))
                     if key not in seen:
                         seen.add(key)
@@ -183,7 +188,7 @@ class GoldenResult:
 
 
 def near_ties(g, prompt: int, tp: int) -> list[tuple[int, int]]:
-    """Routing decisions (position, layer) of ``prompt`` whose router-logit gap is inside its bound."""
+    """Routing decisions (position, slot) of ``prompt`` whose router-logit gap is inside its bound."""
     gaps = g.route_gaps[prompt]
     near = torch.isfinite(gaps) & (gaps <= golden_bound(g.route_var[prompt], tp))
     return [(int(t), int(layer)) for t, layer in near.nonzero()]
@@ -195,6 +200,7 @@ def compare_with_golden(outputs: list[Generation], truth: GoldenTruth, tp: int, 
     golden outputs of ``truth`` within the derived bounds; return what was compared."""
     g, result = truth.golden, GoldenResult()
     assert len(outputs) == len(g.prompt_ids), f"{what}: {len(outputs)} outputs for {len(g.prompt_ids)} prompts"
+    check_logprob_fidelity([x for out in outputs for x in (out.logprobs or ())], what)
     for i, (prompt, out) in enumerate(zip(prompts, outputs)):
         where = f"{what}: prompt {prompt!r}"
         if out.prompt_tokens is not None and out.prompt_tokens != len(g.prompt_ids[i]):
@@ -250,6 +256,7 @@ def compare_sampled_with_reference(outputs: list[Generation], truth: GoldenTruth
     outputs, and the comparison of that prompt stops there if a branch explains it."""
     g, result = truth.golden, GoldenResult()
     assert len(outputs) == len(g.prompt_ids), f"{what}: {len(outputs)} outputs for {len(g.prompt_ids)} prompts"
+    check_logprob_fidelity([x for out in outputs for x in (out.logprobs or ())], what)
     for i, (prompt, out) in enumerate(zip(prompts, outputs)):
         where = f"{what}: prompt {prompt!r}"
         assert out.logprobs is not None and len(out.logprobs) >= len(out.ids), f"{where}: no logprobs returned"
@@ -258,8 +265,8 @@ def compare_sampled_with_reference(outputs: list[Generation], truth: GoldenTruth
         if key not in truth._forced:
             truth._forced[key] = truth.exact().forced(ids, cont, temperature)
         path = truth._forced[key]
-        route_var = {(t, layer): var for t, layer, _gap, var in path.routes}
-        ties = [t for t, _layer, gap, var in path.routes if gap <= float(golden_bound(var, tp))]
+        route_var = {(t, s): var for t, s, _gap, var in path.routes}
+        ties = [t for t, _slot, gap, var in path.routes if gap <= float(golden_bound(var, tp))]
         for j in range(len(cont)):
             lp = out.logprobs[j]
             raw_b = float(golden_bound(path.raw_var[j], tp))
@@ -278,7 +285,7 @@ def compare_sampled_with_reference(outputs: list[Generation], truth: GoldenTruth
                         return f"gives the sampled token logprob {lp:.4f} (ratio {r:.2f})" if r <= 1.0 else None
 
                     why = truth.search_branches(ids, cont, j, accept,
-                                                lambda t, layer: float(golden_bound(route_var[(t, layer)], tp)))
+                                                lambda t, s: float(golden_bound(route_var[(t, s)], tp)))
                     if why:
                         result.notes.append(f"prompt {i}, sampled step {j}: {why}; comparison stopped")
                         break

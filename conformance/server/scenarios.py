@@ -236,7 +236,7 @@ def _one_prompt(truth: GoldenTruth, i: int) -> GoldenTruth:
     g = truth.golden
     sub = GoldenSet(g.checkpoint_digest, [g.prompt_ids[i]], *(t[i:i + 1] for t in (
         g.output_ids, g.logprobs, g.logprob_var, g.top_ids, g.top_gaps, g.route_gaps, g.route_var)))
-    return GoldenTruth(truth.label, truth.path, sub, truth._exact)
+    return GoldenTruth(truth.label, truth.path, sub, truth._exact, device=truth.device)
 
 
 def repeated_requests_deterministic(ctx: ScenarioContext) -> None:
