@@ -25,11 +25,10 @@ class ReferenceRules(RulesEngine):
     name = "reference"
 
     def __init__(self, profile: str = R.DEFAULT_PROFILE) -> None:
-        self.use_profile(profile)
+        self.profile = _checked(profile)  # not through use_profile: a subclass may pin its profile there
 
     def use_profile(self, profile: str) -> None:
-        # vLLM's profile models only its own matrices (answered below); the SGLang rules take SGLang profiles
-        self.profile = profile if profile == V.PROFILE else R.check_profile(profile)
+        self.profile = _checked(profile)
 
     def version(self) -> str:
         return f"reference_impl, rules profile {self.profile}"
@@ -101,3 +100,8 @@ class ReferenceRules(RulesEngine):
 
     def vllm_moe_backend(self, inputs: Inputs) -> dict[str, Any]:
         return V.moe_backend(inputs["platform"], inputs["moe_backend"], inputs["humming"])
+
+
+def _checked(profile: str) -> str:
+    # vLLM's profile models only its own matrices (answered above); the SGLang rules take SGLang profiles
+    return profile if profile == V.PROFILE else R.check_profile(profile)
