@@ -26,8 +26,10 @@ TWO_SCENARIOS = "repeated_requests_deterministic or reload_different_weights"
 def _suite(*args: str, api_env: str | None = None, timeout: float = 300, tmpdir: Path | None = None
            ) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", SERVER_API_ENV))}
-    if tmpdir is not None:  # where the launcher writes one log file per server it starts
+    if tmpdir is not None:  # where the launcher writes one log file per server it starts, all kept
         env["TMPDIR"] = str(tmpdir)
+        env["NVFP4_SERVER_KEEP_LOGS"] = "1"
+        args = (*args, "-o", "tmp_path_retention_policy=all")
     if api_env is not None:
         env[SERVER_API_ENV] = api_env
     cmd = [sys.executable, "-m", "pytest", "conformance/server/test_server_scenarios.py", "-p", "no:cacheprovider", "-q",
@@ -77,7 +79,7 @@ def test_several_apis_share_one_server_each(tmp_path):
                       "vllm-cpu-tp1-dense-nvfp4_awq-reload_different_weights",
                       "vllm-cpu-tp1-dense-nvfp4_awq-repeated_requests_deterministic"]
     assert "reload_different_weights: skipped: the openai API cannot reload_weights" in out
-    assert len(list(tmp_path.glob("nvfp4-server-*.log"))) == 1  # one server served both APIs
+    assert len(list(tmp_path.rglob("nvfp4-server-*.log"))) == 1  # one server served both APIs
 
 
 def test_repeated_api_is_a_usage_error():

@@ -19,15 +19,16 @@ MUTANT = ("{python} tests/mutant_servers.py --mutant dies_after_failed_reload --
 
 def test_a_server_that_dies_is_replaced(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "NVFP4_CONFORMANCE_SERVER_API"))}
-    env["TMPDIR"] = str(tmp_path)  # the launcher's log files, one per server started
+    env["TMPDIR"] = str(tmp_path)  # the launcher's log files, one per server started, all kept
+    env["NVFP4_SERVER_KEEP_LOGS"] = "1"
     r = subprocess.run([sys.executable, "-m", "pytest", "conformance/server/test_server_scenarios.py", "-p",
                         "no:cacheprovider", "-q", "-rA", "--server-cmd", MUTANT, "--server-configs", "cpu-tp1",
                         "--server-models", "dense-nvfp4_awq", "-k",
-                        "failed_reload_missing_path or repeated_requests_deterministic"],
+                        "failed_reload_missing_path or repeated_requests_deterministic", "-o", "tmp_path_retention_policy=all"],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     out = r.stdout
     assert "1 failed, 1 passed" in out, out[-3000:] + r.stderr[-2000:]
     assert "FAILED conformance/server/test_server_scenarios.py::test_server_scenario[sglang-cpu-tp1-dense-nvfp4_awq-" \
            "failed_reload_missing_path]" in out
     assert "is gone or unhealthy after an earlier scenario: starting a new one" in out
-    assert len(list(tmp_path.glob("nvfp4-server-*.log"))) == 2
+    assert len(list(tmp_path.rglob("nvfp4-server-*.log"))) == 2

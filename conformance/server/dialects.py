@@ -153,8 +153,6 @@ class VLLMDialect(OpenAIDialect):
     def _call(self, method: str, path: str, **kwargs) -> requests.Response:
         done = self._reloads_done
         r = super()._call(method, path, **kwargs)
-        if r.status_code == 500:  # an unhandled error: uvicorn has closed the connection, do not reuse it
-            self._http.close()
         while r.status_code == 503 and path == "/v1/completions" and (
                 self._reloading.is_set() or self._reloads_done != done):
             time.sleep(self.RETRY_S)  # refused by our own reload's pause: retry, bounded by the deadline

@@ -55,6 +55,10 @@ class ServerStartError(RuntimeError):
     pass
 
 
+#: set (to anything) to keep every server's log, not only a failed one's (counting server starts, debugging)
+KEEP_LOGS_ENV = "NVFP4_SERVER_KEEP_LOGS"
+
+
 class ServerProcess:
     def __init__(self, template: str, start_timeout_s: float = 180.0, env: dict[str, str] | None = None,
                  api: str = "sglang", log_dir: str | Path | None = None, **values):
@@ -147,7 +151,7 @@ class ServerProcess:
         self.proc.wait(5)
         _LIVE.discard(self)
         self.log.close()
-        if not self.failed:
+        if not self.failed and not os.environ.get(KEEP_LOGS_ENV):
             Path(self.log.name).unlink(missing_ok=True)
 
 
