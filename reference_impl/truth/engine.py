@@ -19,12 +19,15 @@ import torch
 from torch import nn
 
 from ..architectures import ModelConfig, checkpoint_specs, check_servable
-from ..checkpoint import check_tensors, read_configs
+from pathlib import Path
+
+from .. import compressed_tensors
+from ..checkpoint import HF_QUANT_CONFIG, check_tensors, read_configs
 from . import instrument
 from .hf import classes, hf_config
 from .instrument import Recorder, RouteDecision, decisions_per_layer, recording, slot
 from .stores import NUM_COMPONENTS, Store
-from .weights import CheckpointFiles, DeviceWeights
+from .weights import CheckpointFiles, DeviceWeights, TranslatedFiles
 
 #: rows of one batched backward (bounds the gradient temporaries: [chunk, *largest store])
 DEFAULT_CHUNK = 256
@@ -81,7 +84,9 @@ class TruthModel:
         self.path = str(path)
         self.device = torch.device(device or default_device())
         config_json, quant = read_configs(path)
-        self.files = CheckpointFiles(path)
+        translated = compressed_tensors.is_compressed_tensors(config_json.get("quantization_config")) and not (
+            Path(path) / HF_QUANT_CONFIG).is_file()
+        self.files = TranslatedFiles(path) if translated else CheckpointFiles(path)
         lazy = self.files.lazy()
         self.cfg: ModelConfig = ModelConfig.from_hf(config_json, set(lazy))
         check_servable(self.cfg, self.path, quant, lazy)

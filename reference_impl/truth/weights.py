@@ -83,15 +83,19 @@ class CheckpointFiles:
         return out
 
     def digest(self) -> str:
-        """sha256 over the sorted tensor names, dtypes, shapes and bytes (reference_impl.golden.checkpoint_digest),
-        one tensor in memory at a time."""
-        h = hashlib.sha256()
-        for name in self.names():
-            t = self.get(name).contiguous()
-            h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-            if t.numel():
-                h.update(t.reshape(-1).view(torch.uint8).numpy().data)
-        return h.hexdigest()
+        return _digest(self)
+
+
+def _digest(files) -> str:
+    """sha256 over the sorted tensor names, dtypes, shapes and bytes (reference_impl.golden.checkpoint_digest),
+    one tensor in memory at a time."""
+    h = hashlib.sha256()
+    for name in files.names():
+        t = files.get(name).contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        if t.numel():
+            h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()
 
 
 class DeviceWeights:
@@ -138,3 +142,30 @@ class DeviceWeights:
         if ".experts." not in prefix and pqs in self.files:  # MoE experts: no AWQ (as engines)
             out = out * self.raw(pqs).double()[None, :]
         return out
+
+
+class TranslatedFiles:
+    """A checkpoint whose tensors need translating to the ModelOpt layout first (compressed-tensors NVFP4A16:
+    other names, encode-convention global scales): read whole through :func:`reference_impl.checkpoint.
+    load_checkpoint`, then served from memory with :class:`CheckpointFiles`' interface."""
+
+    def __init__(self, path: str | Path):
+        from reference_impl.checkpoint import load_checkpoint
+
+        self.path = str(path)
+        self._tensors = load_checkpoint(path).tensors
+
+    def names(self) -> list[str]:
+        return sorted(self._tensors)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tensors
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._tensors[name]
+
+    def lazy(self) -> dict[str, LazyTensor]:
+        return {n: LazyTensor(self, n, t.dtype, t.shape) for n, t in self._tensors.items()}
+
+    def digest(self) -> str:
+        return _digest(self)
