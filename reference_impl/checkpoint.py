@@ -1,4 +1,4 @@
-"""ModelOpt NVFP4 checkpoints in Hugging Face layout (SPEC.md section 7): read, validate, write.
+"""ModelOpt NVFP4 checkpoints in Hugging Face layout (docs/contracts.md section 7): read, validate, write.
 
 A checkpoint directory holds ``config.json`` (the Hugging Face model config, optionally with a flat
 ``quantization_config``), optionally ``hf_quant_config.json`` (the nested ModelOpt form) and one or more

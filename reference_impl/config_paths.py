@@ -3,8 +3,8 @@
 quantization method a checkpoint's Hugging Face config selects, and how a ModelOpt MIXED_PRECISION
 checkpoint resolves each runtime module's format.
 
-Written from SPEC.md section 4 and the SGLang 0.5.23 code it points to (``CODE:`` marks a point that
-the code decides and SPEC does not state). Same conventions as :mod:`reference_impl.config_rules`.
+Written from docs/contracts.md section 4 and the SGLang 0.5.23 code it points to (``CODE:`` marks a point that
+the code decides and the contract (docs/contracts.md) does not state). Same conventions as :mod:`reference_impl.config_rules`.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ class NotReachable(ValueError):
 def cutedsl_moe_activation(*, quantization: str, env_w4a16: str, env_per_token: str, dispatch: str) -> dict[str, Any]:
     """How the flashinfer_cutedsl standard-path runner hands activations to ``CuteDslMoEWrapper.run``.
 
-    SPEC 3/4: under W4A16 the activations stay BF16 (no quantization, ``x_sf``, ``per_token_scale`` and
+    docs/contracts.md sections 3 and 4: under W4A16 the activations stay BF16 (no quantization, ``x_sf``, ``per_token_scale`` and
     ``fc2_input_scale`` all None) on every dispatch kind. Per-token activation is a property of the quant
     config (``nvfp4_online`` always; ``modelopt_fp4`` with SGLANG_FLASHINFER_NVFP4_PER_TOKEN_ACTIVATION) and
     is forced off under W4A16 (CODE: ``apply`` passes ``use_per_token_activation and quant_mode == "w4a4"``).
@@ -73,7 +73,7 @@ def fp4_dispatch(*, runner: str, a2a: str, env_w4a16: str, nvfp4_dispatch: str, 
     """Whether the NVFP4 MoE layer gives its dispatcher the activation global scale, i.e. the tokens travel
     as NVFP4 (``use_dispatch_fp4`` in ``process_weights_after_loading``).
 
-    SPEC 4: never under W4A16 (the activations must stay BF16 end to end) and never with per-token
+    docs/contracts.md section 4: never under W4A16 (the activations must stay BF16 end to end) and never with per-token
     activation (the scale is per token, computed by FlashInfer). Otherwise when NVFP4 dispatch is on
     (``nvfp4_dispatch``: the resolved SGLANG_MOE_NVFP4_DISPATCH / --flashinfer-a2a-dispatch-type) or the FP4
     all-gather applies: CODE (0.5.23) only the flashinfer_cutlass runner, no A2A, DP attention with

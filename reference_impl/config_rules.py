@@ -1,6 +1,6 @@
-"""SGLang's NVFP4 W4A16 configuration rules (SPEC.md section 4), as small pure functions.
+"""SGLang's NVFP4 W4A16 configuration rules (docs/contracts.md section 4), as small pure functions.
 
-Written from SPEC.md section 4 and the pinned SGLang 0.5.23 code it points to (where they differ the code
+Written from docs/contracts.md section 4 and the pinned SGLang 0.5.23 code it points to (where they differ the code
 wins; each such point is marked ``CODE:``). Every function takes plain strings and returns plain values, or
 raises the exception type the engine raises, with a message carrying the engine's wording.
 
@@ -75,7 +75,7 @@ def resolve_fp4_gemm_backend(backend: str, platform: str, profile: str = DEFAULT
 def dense_linear_method(quant_algo: str, env_w4a16: str, resolved_backend: str) -> tuple[str, str | None]:
     """(linear method class name, quant_mode) for a non-excluded linear layer under ``modelopt_fp4``.
 
-    SPEC 4: ``w4a16`` iff the env flag is true AND the (resolved) FP4 GEMM backend is flashinfer_cutedsl.
+    docs/contracts.md section 4: ``w4a16`` iff the env flag is true AND the (resolved) FP4 GEMM backend is flashinfer_cutedsl.
     CODE: W4A16_NVFP4 checkpoints use ModelOptNvFp4A16LinearMethod (no quant_mode); an FP8 (non-NVFP4)
     checkpoint keeps dense layers unquantized."""
     if quant_algo not in QUANT_ALGOS:
@@ -97,7 +97,7 @@ def flashinfer_backend_name(backend: str) -> str:
 
 def fp4_gemm_kernel(quant_mode: str, backend: str) -> tuple[str, str]:
     """Which FlashInfer entry point the FP4 GEMM op calls: ``mm_fp4`` (w4a4) or ``mm_bf16_fp4`` (w4a16);
-    anything else raises ValueError (SPEC 4)."""
+    anything else raises ValueError (docs/contracts.md section 4)."""
     if quant_mode == "w4a4":
         return "mm_fp4", flashinfer_backend_name(backend)
     if quant_mode == "w4a16":
@@ -153,7 +153,7 @@ def a2a_dispatch_dtype(
     *, env_w4a16: str, nvfp4_dispatch_env: str, dispatch_type: str, a2a: str, runner: str, quantization: str
 ) -> str | None:
     """The MoE A2A dispatch dtype the server resolves (``None`` when the A2A backend has no such notion),
-    or the ValueError it raises (SPEC 4)."""
+    or the ValueError it raises (docs/contracts.md section 4)."""
     runner = resolve_moe_runner(runner, quantization)
     check_moe_kernel_config(runner, quantization)
     cli = None if dispatch_type == "none" else dispatch_type
@@ -193,7 +193,7 @@ def a2a_dispatch_dtype(
 # ---- MoE layer --------------------------------------------------------------------------------------------
 
 def moe_quant_mode(*, env_w4a16: str, runner: str, a2a: str, deepep_mode: str, profile: str = DEFAULT_PROFILE) -> str:
-    """The NVFP4 MoE layer's mode. SPEC 4: W4A16 iff the env flag is true AND the runner is flashinfer_cutedsl
+    """The NVFP4 MoE layer's mode. docs/contracts.md section 4: W4A16 iff the env flag is true AND the runner is flashinfer_cutedsl
     on its standard (v2) path (A2A none or flashinfer). DeepEP + flashinfer_cutedsl is the v1 masked path:
     W4A4 only, W4A16 there raises ValueError (CODE: at the layer's first forward).
     MAIN: DeepEP *normal* + flashinfer_cutedsl + W4A16 is accepted and runs W4A16."""
@@ -214,7 +214,7 @@ def moe_quant_mode(*, env_w4a16: str, runner: str, a2a: str, deepep_mode: str, p
 # ---- fusion guards ----------------------------------------------------------------------------------------
 
 def fusion_enabled(*, model: str, gate_up_method: str, quant_mode: str | None, fp4_backend: str) -> bool:
-    """Fused kernels that consume NVFP4 activations run only under ``w4a4`` (SPEC 4).
+    """Fused kernels that consume NVFP4 activations run only under ``w4a4`` (docs/contracts.md section 4).
 
     ``deepseek_v2``: shared-expert GEMM+SwiGLU fusion; also needs a backend that builds the fused SwiGLU
     layout (not marlin, not flashinfer_trtllm). Other preconditions (SM100, no LoRA, fc1 % 128 == 0, no

@@ -1,4 +1,4 @@
-"""Whether the output head runs its quantized method (SPEC.md section 5; SGLang 0.5.23
+"""Whether the output head runs its quantized method (docs/contracts.md section 5; SGLang 0.5.23
 ``logits_processor.should_apply_lm_head_quant_method``).
 
 A draft model can share the target's dense (float) head while carrying its own stale ModelOpt method, so

@@ -1,5 +1,5 @@
 """The reference server's model: the architectures of :mod:`reference_impl.architectures` written by hand with
-the reference W4A16 math in every linear, sharded for tensor / expert parallelism (SPEC.md section 6).
+the reference W4A16 math in every linear, sharded for tensor / expert parallelism (docs/contracts.md section 6).
 
 Why hand-written when transformers has these classes (the golden truth, :mod:`reference_impl.truth`, runs
 transformers' own classes): a serving engine shards attention heads, MLP columns and experts over ranks and

@@ -2,7 +2,7 @@
 dequantization, the 128x4 scale swizzle and the fused gate/up (W13) row layouts.
 
 Everything is vectorised PyTorch and runs on whatever device its inputs live on.
-Conventions (SPEC.md section 1):
+Conventions (docs/contracts.md section 1):
 
 * E2M1 code: bit 3 = sign, bits 0-2 index ``E2M1_MAGNITUDES``. Encoding rounds to nearest, ties to the
   even code, and saturates (|x| > 6 -> 6). NaN encodes as +6 (code 7), as the hardware's
@@ -176,7 +176,7 @@ def quantize_modelopt(w: torch.Tensor, weight_scale_2: torch.Tensor | float | No
 
 
 def quantize_kernel(x: torch.Tensor, global_sf: torch.Tensor | float) -> tuple[torch.Tensor, torch.Tensor]:
-    """FlashInfer/TransformerEngine kernel recipe (SPEC 1), in the kernel's operation order:
+    """FlashInfer/TransformerEngine kernel recipe (docs/contracts.md section 1), in the kernel's operation order:
     ``sf = e4m3(amax * (global_sf * (1/6)))``, ``inv = min(1 / (sf * (1/global_sf)), FLT_MAX)``,
     ``q = e2m1(x * inv)``. Returns (packed ``[.., K/2]`` uint8, linear scales ``[.., K/16]`` e4m3)."""
     xb = _blocks(x)

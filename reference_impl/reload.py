@@ -1,4 +1,4 @@
-"""Weight-reload binding (SPEC.md section 6; SGLang 0.5.23 ``layers.utils.common.copy_or_rebind_param`` and
+"""Weight-reload binding (docs/contracts.md section 6; SGLang 0.5.23 ``layers.utils.common.copy_or_rebind_param`` and
 ``alias_or_bind_derived_param``).
 
 CUDA graphs capture tensor addresses, so re-preparing weights after a reload must write into the existing
@@ -6,7 +6,7 @@ Parameter when it can (same shape and dtype: the object and its data pointer sur
 rebind the Parameter's storage. A missing attribute, or one that is not a Parameter, becomes a new
 Parameter. All results have ``requires_grad == False``.
 
-SPEC 6 adds: when the state is captured by a graph (``graph_captured=True``) a rebind must raise
+docs/contracts.md section 6 adds: when the state is captured by a graph (``graph_captured=True``) a rebind must raise
 RuntimeError asking for a recapture, because the graph would keep reading the old storage.
 CODE: SGLang 0.5.23's ``copy_or_rebind_param`` compares shape and dtype only (not device: ``copy_`` moves
 across devices) and never raises; its recapture guard lives where the graph-captured state is re-derived

@@ -1,5 +1,5 @@
 """The rule matrices in fixtures/config_rules/ are up to date, complete products (less the declared
-exclusions), their rules profiles name their sources, and they say what SPEC 4-6 say on the points the
+exclusions), their rules profiles name their sources, and they say what docs/contracts.md sections 4-6 say on the points the
 upstream review found wrong."""
 from __future__ import annotations
 

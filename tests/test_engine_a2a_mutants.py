@@ -29,7 +29,7 @@ def _prefill_returns_flashinfer_combine(mp):
 
 def _decode_scale_as_encode_scale(mp):
     """The activation quantizer gets the checkpoint's decode scale (input_scale) where FlashInfer wants the
-    encode scale (1 / input_scale): the two global-scale conventions confused (SPEC 1)."""
+    encode scale (1 / input_scale): the two global-scale conventions confused (docs/contracts.md section 1)."""
     fc = _cutedsl()
     original = fc.cutedsl_quant_scale_to_scalar
     mp.setattr(fc, "cutedsl_quant_scale_to_scalar", lambda q, *, name: 1.0 / original(q, name=name))

@@ -21,7 +21,7 @@ U_ACCUM = 2.0**-23
 #: Smallest normal fp32/bf16 number (they share the exponent range).
 TINY_NORMAL = 2.0**-126
 #: The acceptance of FlashInfer's dense W4A16 GEMM test (tests/gemm/test_mm_bf16_fp4.py,
-#: ``_assert_close_to_reference``; SPEC section 2): summary figures, looser than the bound. FlashInfer's MoE
+#: ``_assert_close_to_reference``; docs/contracts.md section 2): summary figures, looser than the bound. FlashInfer's MoE
 #: tests use another criterion (docs/moe.md).
 FLASHINFER_MAX_REL_L2 = 2e-2
 FLASHINFER_MIN_COSINE = 0.999
@@ -47,7 +47,7 @@ def dense_error_bound(
     """Per-element bound on ``|y - y*|`` for a conforming W4A16 dense layer, fp64, shape of ``exact``.
 
     Notation: ``x' = x * pre_quant_scale`` (exact), ``W = e2m1 * e4m3`` (exact in any float format with
-    >= 6 significant bits: 2 of e2m1 times 4 of e4m3), ``alpha = max(weight_scale_2)`` (the SPEC section 2
+    >= 6 significant bits: 2 of e2m1 times 4 of e4m3), ``alpha = max(weight_scale_2)`` (the docs/contracts.md section 2
     contract), ``b`` the bias,
     ``y* = alpha * (x' @ W^T) + b`` and ``A = alpha * (|x'| @ |W|^T)`` (``magnitude``). Terms:
 

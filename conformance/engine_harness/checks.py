@@ -1,7 +1,7 @@
 """Named checks on an :class:`~conformance.engine_harness.core.EngineRun`, and the references they use,
 computed straight from the checkpoint tensors (never from the engine's prepared tensors).
 
-* dense W4A16: ``y* = ((x * pqs) @ W^T) * max(weight_scale_2) + bias`` (SPEC section 2), judged by
+* dense W4A16: ``y* = ((x * pqs) @ W^T) * max(weight_scale_2) + bias`` (docs/contracts.md section 2), judged by
   :func:`conformance.dense.bounds.dense_error_bound`.
 * dense W4A4: the activations ``x' = bf16(x * pqs)`` are NVFP4-quantized with the kernel recipe and the
   global encode scale ``1 / max(input_scale)`` (bit-exact, :func:`reference_impl.nvfp4.quantize_kernel`),

@@ -1,8 +1,8 @@
-"""NVFP4 format conformance cases, as data (SPEC.md section 1).
+"""NVFP4 format conformance cases, as data (docs/contracts.md section 1).
 
 Every expected value is derived here from the format's definition, never from the code under test:
 E2M1/E4M3 values from their bit fields (:mod:`conformance.format.oracles`), rounding ties from "the midpoint of two
-neighbouring values goes to the one with the even code (mantissa LSB 0)", swizzle offsets from SPEC's formula and
+neighbouring values goes to the one with the even code (mantissa LSB 0)", swizzle offsets from the formula of docs/contracts.md section 1 and
 from the tile picture, W13 row orders from their written-out descriptions.
 """
 from __future__ import annotations

@@ -131,7 +131,7 @@ def swizzle_by_tiles(scale_bytes: torch.Tensor) -> torch.Tensor:
 
 
 def swizzle_offset_spec(n: int, k: int, scale_cols: int) -> int:
-    """SPEC.md section 1's byte offset of logical scale (n, k), as scalar integer arithmetic."""
+    """docs/contracts.md section 1's byte offset of logical scale (n, k), as scalar integer arithmetic."""
     col_tiles = -(-scale_cols // 4)
     return ((n // 128) * col_tiles + k // 4) * 512 + (n % 32) * 16 + ((n % 128) // 32) * 4 + k % 4
 

@@ -1,4 +1,4 @@
-"""NVFP4 format conformance of the reference (``reference_impl.nvfp4``), SPEC.md section 1.
+"""NVFP4 format conformance of the reference (``reference_impl.nvfp4``), docs/contracts.md section 1.
 
 Thin: the cases and their derivations live in :mod:`conformance.format.cases`; the independent definitions in
 :mod:`conformance.format.oracles`. The ``cuda`` cases re-run the encoders on a GPU and demand bit-identical results.
@@ -99,7 +99,7 @@ def test_swizzle_offsets_padding_and_inverse(case: C.SwizzleCase):
         logical = scales.view(torch.uint8).reshape(-1, case.rows, case.scale_cols)[e]
         flat = out.view(torch.uint8).reshape(-1, padded_rows * padded_cols)[e]
         at_spec = flat[torch.tensor(spec_offsets)].view(case.rows, case.scale_cols)
-        assert (m := compare_bits(f"expert {e}: byte at SPEC offset", at_spec, logical)) is None, m
+        assert (m := compare_bits(f"expert {e}: byte at the contract's offset", at_spec, logical)) is None, m
         tiles = swizzle_by_tiles(logical)
         assert (m := compare_bits(f"expert {e}: tile picture", flat.view(padded_rows, padded_cols), tiles)) is None, m
         padding = torch.ones(flat.numel(), dtype=torch.bool)

@@ -114,4 +114,4 @@ class LayerCodeEngine(abc.ABC):
     @abc.abstractmethod
     def graph_captured_params(self, layer: Any) -> dict[str, torch.Tensor]:
         """The tensors a captured CUDA graph reads (prepared weights, scales, alphas): the contract says a
-        same-shape reload keeps each of them the same object at the same address (SPEC section 6)."""
+        same-shape reload keeps each of them the same object at the same address (docs/contracts.md section 6)."""

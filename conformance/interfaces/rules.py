@@ -1,4 +1,4 @@
-"""The engine adapter interface for the configuration and guard rules (SPEC.md sections 4-6).
+"""The engine adapter interface for the configuration and guard rules (docs/contracts.md sections 4-6).
 
 An engine adapter answers, for one combination of inputs taken from a matrix in ``fixtures/config_rules/``,
 what the engine decides: a value (a plain dict), or the exception the engine raises (let it propagate).

@@ -1,4 +1,4 @@
-"""Derived per-element error bounds for the W4A16 fused MoE (SPEC.md section 3).
+"""Derived per-element error bounds for the W4A16 fused MoE (docs/contracts.md section 3).
 
 The bound is measured from the exact value ``y`` of the dequantized model (``reference_impl.moe.
 fused_moe_exact``: fp64, exact activation, no intermediate rounding) and covers any implementation that

@@ -1,4 +1,4 @@
-"""SPEC.md section 4: dense quant-mode resolution, FP4 GEMM dispatch and backend choice, MoE mode, A2A/dispatch
+"""docs/contracts.md section 4: dense quant-mode resolution, FP4 GEMM dispatch and backend choice, MoE mode, A2A/dispatch
 validation, fusion guards, the CuTe DSL MoE runner's activation path (serialized and online NVFP4), the FP4
 dispatch decision, and which quantization method / per-module format a checkpoint's config selects. Each case
 is one combination from fixtures/config_rules/<matrix>.json, judged by the rules profile (--rules-profile)."""

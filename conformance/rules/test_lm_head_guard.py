@@ -1,4 +1,4 @@
-"""SPEC.md section 5: which LM-head states run which quantized method (incl. stale methods on dense heads)."""
+"""docs/contracts.md section 5: which LM-head states run which quantized method (incl. stale methods on dense heads)."""
 from __future__ import annotations
 
 import pytest

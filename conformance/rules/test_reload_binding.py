@@ -1,4 +1,4 @@
-"""SPEC.md section 6: weight reload keeps Parameter objects and data pointers when it can, rebinds otherwise,
+"""docs/contracts.md section 6: weight reload keeps Parameter objects and data pointers when it can, rebinds otherwise,
 and asks for a CUDA graph recapture when captured state would move; derived tensors (e.g. swizzled block
 scales) alias their source's storage when they fit in it."""
 from __future__ import annotations

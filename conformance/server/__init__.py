@@ -1,6 +1,6 @@
 """Server scenarios: an engine's HTTP server (SGLang's native API, the OpenAI-compatible API or vLLM's, one
 :mod:`.dialects` class each, ``--server-api``) under reload, memory release/resume, concurrency and
-determinism scenarios (SPEC.md section 6), against the tiny NVFP4 fixture checkpoints or your own.
+determinism scenarios (docs/contracts.md section 6), against the tiny NVFP4 fixture checkpoints or your own.
 
 Modules: :mod:`.dialects` (the API the scenarios speak; bounded HTTP, 127.0.0.1 only), :mod:`.client`
 (what the dialects share: deadlines, one generation), :mod:`.launcher` (start a server from a command

@@ -1,5 +1,5 @@
 """Scale-factor layouts the W4A16 entry points exchange (FlashInfer 0.7.4 ``flashinfer.cute_dsl.utils``
-and ``flashinfer.quantization``), written from the layout definitions in SPEC.md section 1.
+and ``flashinfer.quantization``), written from the layout definitions in docs/contracts.md section 1.
 
 * 128x4 swizzle: 512-byte atoms of 128 rows x 4 scale columns; see :func:`reference_impl.nvfp4.swizzle_128x4`.
 * MMA layout: a *view* of the swizzled bytes of ``num_groups`` matrices, logical shape

@@ -1,4 +1,4 @@
-"""HTTP front end of the reference server: SGLang's native endpoints (SPEC.md section 6) on FastAPI, plus
+"""HTTP front end of the reference server: SGLang's native endpoints (docs/contracts.md section 6) on FastAPI, plus
 the OpenAI-compatible (:mod:`.openai_api`) and vLLM (:mod:`.vllm_api`) endpoints.
 
 Requests are validated here (bounded sizes, clear 4xx errors) and handed to a single scheduler thread that
