@@ -1,0 +1,148 @@
+#!/usr/bin/env python3
+"""Flake hunt: the self-tests in several random orders and the emulated MoE determinism case many times, all
+with the CPU loaded by a bounded background burner; prints one row per run and the flake count.
+
+A self-test that fails only in some order, or only when the machine is busy, is a flake: a nightly gate that
+fails for no reason gets switched off. This script looks for them on purpose:
+
+1. ``determinism``: the case that once flaked under load (the emulated CuTe DSL MoE wrapper, GeGLU, 128
+   tokens: ``conformance/moe/test_moe.py::test_moe_matches_reference[flashinfer-cute-dsl-t128_e8_k2_geglu]``
+   under ``-m b200 --flashinfer-emulated``) repeated ``--repeats`` times by pytest-repeat; each repeat runs the
+   wrapper 3 times on the same inputs and demands identical bits (``moe_deterministic``).
+2. ``order <seed>``: the README's self-test command (``tests/ conformance/ -n 2 --engine sglang``) in the random
+   order pytest-randomly derives from each seed (``--orders`` seeds drawn at random, or ``--seed`` given).
+
+The burner: ``--burners`` busy-looping processes (default: one per CPU core) at normal priority, started
+before the first run, each killed at the end or after ``--burner-seconds`` at the latest, whichever is first.
+``--burners 0`` runs unloaded.
+
+    python ci/stress.py                        # 3 random orders + 50 determinism repeats, one burner per core
+    python ci/stress.py --orders 1 --repeats 10 --burners 0
+    python ci/stress.py --seed 1234 --skip-determinism   # reproduce one order (the seed a row printed)
+
+Exit code: 0 when every run passed, 1 when any test failed or errored (the flakes), 2 when a run collected
+nothing or could not report. Needs the test dependencies (``bash ci/install-test-deps.sh``: pytest-randomly and
+pytest-repeat come with the ``test`` extra; they stay off unless asked for, see pyproject's addopts).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+# pytest-repeat renames the node ([...-1-50]), so the case is selected by -k, not by its node id
+DETERMINISM_FILE = "conformance/moe/test_moe.py"
+DETERMINISM_K = "test_moe_matches_reference and flashinfer-cute-dsl-t128_e8_k2_geglu"
+SELF_TESTS = ["tests/", "conformance/", "-n", "2", "--engine", "sglang"]
+BURN = "import time\nend = time.monotonic() + float({seconds})\nwhile time.monotonic() < end:\n    pass\n"
+
+
+@dataclass
+class RunResult:
+    name: str
+    wall_s: float
+    tests: int
+    failed: int
+    errors: int
+    skipped: int
+    returncode: int
+
+    @property
+    def flakes(self) -> int:
+        return self.failed + self.errors
+
+
+def junit_counts(path: Path) -> tuple[int, int, int, int]:
+    """(tests, failures, errors, skipped) summed over the report's test suites."""
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    totals = [0, 0, 0, 0]
+    for s in suites:
+        for i, key in enumerate(("tests", "failures", "errors", "skipped")):
+            totals[i] += int(s.get(key, 0))
+    return totals[0], totals[1], totals[2], totals[3]
+
+
+def run_pytest(name: str, args: list[str], workdir: Path) -> RunResult:
+    report = workdir / f"{name.replace(' ', '-')}.xml"
+    log = workdir / f"{name.replace(' ', '-')}.log"
+    cmd = [sys.executable, "-m", "pytest", *args, "-q", "-p", "no:cacheprovider", f"--junitxml={report}"]
+    t0 = time.monotonic()
+    with log.open("w") as out:
+        rc = subprocess.call(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    wall = time.monotonic() - t0
+    if not report.is_file():
+        print(f"{name}: pytest wrote no report (exit {rc}); its output: {log}", file=sys.stderr)
+        return RunResult(name, wall, 0, 0, 0, 0, rc)
+    tests, failed, errors, skipped = junit_counts(report)
+    if failed or errors:
+        lines = [ln for ln in log.read_text().splitlines() if ln.startswith(("FAILED", "ERROR"))]
+        print(f"{name}: {failed} failed, {errors} errors (log {log}):\n  " + "\n  ".join(lines[:40]), file=sys.stderr)
+    return RunResult(name, wall, tests, failed, errors, skipped, rc)
+
+
+def start_burners(n: int, seconds: float) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, "-c", BURN.format(seconds=seconds)], start_new_session=True)
+            for _ in range(n)]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--orders", type=int, default=3, help="random orders of the self-tests (default: 3)")
+    p.add_argument("--seed", type=int, action="append", default=[], help="run this pytest-randomly seed (repeatable; replaces --orders)")
+    p.add_argument("--repeats", type=int, default=50, help="repeats of the emulated MoE determinism case (default: 50)")
+    p.add_argument("--skip-determinism", action="store_true", help="skip the determinism repeats")
+    p.add_argument("--burners", type=int, default=os.cpu_count() or 1, help="busy-loop processes during the runs (default: one per CPU core; 0: none)")
+    p.add_argument("--burner-seconds", type=float, default=5400.0, help="a burner's longest life in seconds (default: 5400)")
+    p.add_argument("--keep", action="store_true", help="keep the JUnit reports and logs (their folder is printed)")
+    args = p.parse_args()
+
+    seeds = args.seed or [random.SystemRandom().randrange(1, 2**31) for _ in range(args.orders)]
+    plan: list[tuple[str, list[str]]] = []
+    if not args.skip_determinism:
+        plan.append((f"determinism x{args.repeats}",
+                     ["-m", "b200", "--flashinfer-emulated", "--engine", "sglang", "-p", "repeat",
+                      f"--count={args.repeats}", "-n", "2", DETERMINISM_FILE, "-k", DETERMINISM_K]))
+    plan += [(f"order {s}", [*SELF_TESTS, "-p", "randomly", f"--randomly-seed={s}"]) for s in seeds]
+
+    workdir = Path(tempfile.mkdtemp(prefix="nvfp4-stress-"))
+    burners = start_burners(args.burners, args.burner_seconds)
+    results: list[RunResult] = []
+    try:
+        for name, pytest_args in plan:
+            results.append(run_pytest(name, pytest_args, workdir))
+            r = results[-1]
+            print(f"  {r.name}: {r.tests} tests, {r.flakes} failed/errored, {r.wall_s:.0f} s", flush=True)
+    finally:
+        for b in burners:
+            b.kill()
+        for b in burners:
+            b.wait()
+    print(f"\nburners: {args.burners} busy-loop processes on {os.cpu_count()} CPU cores")
+    print(f"{'run':<24} {'tests':>6} {'failed':>6} {'errors':>6} {'skipped':>7} {'wall s':>7}")
+    for r in results:
+        print(f"{r.name:<24} {r.tests:>6} {r.failed:>6} {r.errors:>6} {r.skipped:>7} {r.wall_s:>7.0f}")
+    flakes = sum(r.flakes for r in results)
+    empty = [r.name for r in results if r.tests == 0]
+    print(f"flakes: {flakes}" + (f"; runs that collected or reported nothing: {', '.join(empty)}" if empty else ""))
+    if args.keep or flakes or empty:
+        print(f"reports and logs: {workdir}")
+    else:
+        for f in workdir.iterdir():
+            f.unlink()
+        workdir.rmdir()
+    if empty:
+        return 2
+    return 1 if flakes else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""ci/stress.py counts what pytest reports: a failing and an erroring test are flakes, a passing run has none,
+a run that collects nothing is reported as such (exit 2), and the burner is bounded and killed."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def stress():
+    spec = importlib.util.spec_from_file_location("ci_stress", REPO / "ci" / "stress.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["ci_stress"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _write(tmp_path: Path, body: str) -> Path:
+    f = tmp_path / "test_planted.py"
+    f.write_text(body)
+    return f
+
+
+def test_failures_and_errors_are_counted(stress, tmp_path):
+    f = _write(tmp_path, "import pytest\n"
+                         "@pytest.fixture\ndef broken():\n    raise RuntimeError('setup')\n"
+                         "def test_ok(): pass\n"
+                         "def test_fails(): assert False\n"
+                         "def test_errors(broken): pass\n"
+                         "def test_skipped(): pytest.skip('x')\n")
+    r = stress.run_pytest("planted", [str(f), "-p", "no:randomly"], tmp_path)
+    assert (r.tests, r.failed, r.errors, r.skipped, r.flakes) == (4, 1, 1, 1, 2)
+
+
+def test_passing_run_has_no_flakes_in_random_order(stress, tmp_path):
+    order = tmp_path / "order.txt"
+    f = _write(tmp_path, "".join(f"def test_{i}():\n    open({str(order)!r}, 'a').write('{i} ')\n" for i in range(8)))
+    r = stress.run_pytest("clean", [str(f), "-p", "randomly", "--randomly-seed=7"], tmp_path)
+    assert (r.tests, r.flakes, r.returncode) == (8, 0, 0)
+    ran = [int(i) for i in order.read_text().split()]
+    assert sorted(ran) == list(range(8)) and ran != sorted(ran), f"pytest-randomly did not shuffle: {ran}"
+
+
+def test_empty_run_reports_no_tests(stress, tmp_path):
+    f = _write(tmp_path, "X = 1\n")
+    r = stress.run_pytest("empty", [str(f)], tmp_path)
+    assert r.tests == 0 and r.returncode == 5
+
+
+def test_burner_is_bounded(stress):
+    t0 = time.monotonic()
+    (b,) = stress.start_burners(1, seconds=0.5)
+    assert b.wait(timeout=30) == 0 and time.monotonic() - t0 < 30
