@@ -36,6 +36,12 @@ INIT_RANGE = 0.1
 ALGOS = ("NVFP4", "NVFP4_AWQ", "W4A16_NVFP4")
 
 
+ARCHS = ("llama", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3")
+#: DeepSeek-V3's rotary scaling (YaRN, as the real model's config writes it) at a tiny original context
+DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+                 "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
 def _model(arch: str, tied: bool, dtype: torch.dtype, seed: int):
     import transformers
 
@@ -45,14 +51,29 @@ def _model(arch: str, tied: bool, dtype: torch.dtype, seed: int):
                   initializer_range=INIT_RANGE, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)
     if arch == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(intermediate_size=512, **common))
-        model.config.architectures = ["LlamaForCausalLM"]
+    elif arch == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(intermediate_size=512, **common))
     elif arch == "qwen3_moe":
         model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
             intermediate_size=512, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2,
             norm_topk_prob=True, decoder_sparse_step=1, **common))
-        model.config.architectures = ["Qwen3MoeForCausalLM"]
+    elif arch == "mixtral":
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            intermediate_size=128, num_local_experts=8, num_experts_per_tok=2, **common))
+    elif arch == "deepseek_v3":
+        mla = {**{k: v for k, v in common.items() if k != "head_dim"}, "num_key_value_heads": HEADS}  # MLA: per-head keys
+        model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+            intermediate_size=512, moe_intermediate_size=128, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
+            topk_group=2, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, q_lora_rank=64,
+            kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, rope_parameters=DEEPSEEK_YARN,
+            **mla))
+        g = torch.Generator().manual_seed(seed + 1)
+        for layer in model.model.layers:  # transformers initialises the score correction to zeros: make it matter
+            if hasattr(layer.mlp, "gate") and hasattr(layer.mlp.gate, "e_score_correction_bias"):
+                layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(16, generator=g) * 0.05)
     else:
-        raise ValueError(f"arch {arch!r} is not llama or qwen3_moe")
+        raise ValueError(f"arch {arch!r} is not one of {ARCHS}")
+    model.config.architectures = [type(model).__name__]
     return model.to(dtype).eval()
 
 
@@ -109,7 +130,7 @@ def export(out: Path, arch: str = "llama", algo: str = "W4A16_NVFP4", *, tied: b
 
     if algo not in ALGOS:
         raise ValueError(f"algo {algo!r} is not one of {ALGOS}")
-    if algo == "NVFP4_AWQ" and arch != "llama":
+    if algo == "NVFP4_AWQ" and arch not in ("llama", "qwen3"):
         raise ValueError("ModelOpt 0.47's NVFP4_AWQ export fails on transformers 5's fused MoE experts")
     model = _model(arch, tied, dtype, seed)
     cfg = mtq.W4A16_NVFP4_CFG if algo == "W4A16_NVFP4" else mtq.NVFP4_DEFAULT_CFG
@@ -129,7 +150,7 @@ def export(out: Path, arch: str = "llama", algo: str = "W4A16_NVFP4", *, tied: b
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path)
-    ap.add_argument("--arch", default="llama", choices=("llama", "qwen3_moe"))
+    ap.add_argument("--arch", default="llama", choices=ARCHS)
     ap.add_argument("--algo", default="W4A16_NVFP4", choices=ALGOS)
     ap.add_argument("--tied", action="store_true")
     ap.add_argument("--shard-size", default=None)

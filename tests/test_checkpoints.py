@@ -53,29 +53,38 @@ def transformers_model(ckpt):
     """The transformers model class loaded with the float64-dequantized weights."""
     import transformers
 
+    from reference_impl.architectures import ModelConfig
+
     cfg_dict = {k: v for k, v in ckpt.hf_config.items() if k != "quantization_config"}
     hf_cfg = transformers.AutoConfig.for_model(**cfg_dict)
     hf_cfg._experts_implementation = "eager"  # the grouped-mm kernel has no float64 version
-    cls = transformers.LlamaForCausalLM if hf_cfg.model_type == "llama" else transformers.Qwen3MoeForCausalLM
-    model = cls(hf_cfg).double().eval()
+    hf_cfg._attn_implementation = "eager"
+    ours = ModelConfig.from_hf(ckpt.hf_config, set(ckpt.tensors))
+    model = getattr(transformers, ckpt.hf_config["architectures"][0])(hf_cfg).double().eval()
     t, sd = ckpt.tensors, {}
     for k, v in t.items():
-        if k.endswith("_proj.weight") and v.dtype == torch.uint8:
+        if k.endswith(".weight") and v.dtype == torch.uint8:
             sd[k] = dequant64(t, k[: -len(".weight")])
-        elif k.endswith(".weight"):
+        elif k.endswith((".weight", ".e_score_correction_bias")):
             sd[k] = v.double()
-    for i in range(hf_cfg.num_hidden_layers):
-        p = f"model.layers.{i}.mlp.experts"
-        if f"{p}.0.gate_proj.weight" in sd:  # transformers 5 stores experts as fused 3-D parameters
-            n = hf_cfg.num_experts
-            sd[f"{p}.gate_up_proj"] = torch.stack(
-                [torch.cat([sd.pop(f"{p}.{e}.gate_proj.weight"), sd.pop(f"{p}.{e}.up_proj.weight")]) for e in range(n)])
-            sd[f"{p}.down_proj"] = torch.stack([sd.pop(f"{p}.{e}.down_proj.weight") for e in range(n)])
+    for i in ours.moe_layers:  # transformers 5 stores experts as fused 3-D parameters; Mixtral's old naming renamed
+        names = [[sd.pop(f"{ours.expert(i, e, w)}.weight") for w in range(3)] for e in range(ours.num_experts)]
+        p = f"model.layers.{i}.mlp"
+        sd[f"{p}.experts.gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u, _ in names])
+        sd[f"{p}.experts.down_proj"] = torch.stack([d for _, _, d in names])
+        for k in [k for k in sd if k.startswith(f"model.layers.{i}.{ours.moe_prefix}.gate.")]:
+            sd[f"{p}.gate.{k.rsplit('.', 1)[1]}"] = sd.pop(k)
+    if ours.router == "sigmoid_grouped":  # transformers keeps DeepSeek's router in fp32
+        for k in [k for k in sd if ".mlp.gate." in k]:
+            sd[k] = sd[k].float()
+        for i in ours.moe_layers:
+            model.model.layers[i].mlp.gate.float()
     missing, unexpected = model.load_state_dict(sd, strict=False)
     if hf_cfg.tie_word_embeddings:  # no lm_head.weight in the file: transformers' own tying supplies it
         model.tie_weights()
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr(), "lm_head not tied"
         missing = [m for m in missing if m != "lm_head.weight"]
+    unexpected = [u for u in unexpected if not u.startswith(f"model.layers.{ours.num_layers}.")]  # DeepSeek's MTP layer
     assert not missing and not unexpected, f"state dict mismatch: missing {missing}, unexpected {unexpected}"
     return model
 
