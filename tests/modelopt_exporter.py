@@ -1,11 +1,11 @@
 """Real ModelOpt exports for the self-tests, made at test time (nothing ModelOpt writes is committed).
 
-A tiny randomly initialised ``transformers`` Llama or Qwen3-MoE is quantized on CPU with
+A tiny randomly initialised ``transformers`` model (Llama, Qwen3, Qwen3-MoE, Mixtral or DeepSeek-V3) is quantized on CPU with
 ``modelopt.torch.quantization`` (a short calibration loop over random token ids) and written by
 ``modelopt.torch.export.export_hf_checkpoint``: the files a vendor brings.
 
-    python tests/modelopt_exporter.py OUT [--arch llama|qwen3_moe] [--algo NVFP4|NVFP4_AWQ|W4A16_NVFP4]
-                                          [--tied] [--shard-size 200KB] [--fp8-kv] [--float16]
+    python tests/modelopt_exporter.py OUT [--arch llama|qwen3|qwen3_moe|mixtral|deepseek_v3] [--algo NVFP4|NVFP4_AWQ|W4A16_NVFP4]
+                                          [--tied] [--shard-size 200KB] [--fp8-kv] [--float16] [--size small|tiny]
 
 What running ModelOpt 0.47.0 on CPU (transformers 5.24) showed, and what this module does about it:
 
@@ -37,35 +37,42 @@ ALGOS = ("NVFP4", "NVFP4_AWQ", "W4A16_NVFP4")
 
 
 ARCHS = ("llama", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3")
+#: model sizes: ``small`` (the default: the ModelOpt self-tests' exports) and ``tiny`` (hidden 64: the scenario
+#: suite on every architecture in CI, where the reference's golden truth and near-tie branches dominate the time)
+SIZES = {"small": dict(hidden=HIDDEN, head_dim=HEAD_DIM, inter=512, moe_inter=128, rank=64, mla_dim=32),
+         "tiny": dict(hidden=64, head_dim=16, inter=128, moe_inter=32, rank=32, mla_dim=16)}
 #: DeepSeek-V3's rotary scaling (YaRN, as the real model's config writes it) at a tiny original context
 DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
                  "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
 
 
-def _model(arch: str, tied: bool, dtype: torch.dtype, seed: int):
+def _model(arch: str, tied: bool, dtype: torch.dtype, seed: int, size: str = "small"):
     import transformers
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                  num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, max_position_embeddings=256, rms_norm_eps=1e-6,
+    z = SIZES[size]
+    inter, moe_inter, rank, mla_dim = z["inter"], z["moe_inter"], z["rank"], z["mla_dim"]
+    common = dict(vocab_size=VOCAB, hidden_size=z["hidden"], num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                  num_key_value_heads=KV_HEADS, head_dim=z["head_dim"], max_position_embeddings=256, rms_norm_eps=1e-6,
                   initializer_range=INIT_RANGE, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)
     if arch == "llama":
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(intermediate_size=512, **common))
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(intermediate_size=inter, **common))
     elif arch == "qwen3":
-        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(intermediate_size=512, **common))
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(intermediate_size=inter, **common))
     elif arch == "qwen3_moe":
         model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
-            intermediate_size=512, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2,
+            intermediate_size=inter, moe_intermediate_size=moe_inter, num_experts=8, num_experts_per_tok=2,
             norm_topk_prob=True, decoder_sparse_step=1, **common))
     elif arch == "mixtral":
         model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
-            intermediate_size=128, num_local_experts=8, num_experts_per_tok=2, **common))
+            intermediate_size=moe_inter, num_local_experts=8, num_experts_per_tok=2, **common))
     elif arch == "deepseek_v3":
         mla = {**{k: v for k, v in common.items() if k != "head_dim"}, "num_key_value_heads": HEADS}  # MLA: per-head keys
         model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
-            intermediate_size=512, moe_intermediate_size=128, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
-            topk_group=2, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, q_lora_rank=64,
-            kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, rope_parameters=DEEPSEEK_YARN,
+            intermediate_size=inter, moe_intermediate_size=moe_inter, n_routed_experts=16, num_experts_per_tok=4,
+            n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+            q_lora_rank=rank, kv_lora_rank=rank, qk_nope_head_dim=mla_dim, qk_rope_head_dim=mla_dim,
+            v_head_dim=mla_dim, rope_parameters=DEEPSEEK_YARN,
             **mla))
         g = torch.Generator().manual_seed(seed + 1)
         for layer in model.model.layers:  # transformers initialises the score correction to zeros: make it matter
@@ -123,7 +130,7 @@ def _apply_awq_scales(model) -> int:
 
 def export(out: Path, arch: str = "llama", algo: str = "W4A16_NVFP4", *, tied: bool = False,
            shard_size: str | None = None, fp8_kv: bool = False, dtype: torch.dtype = torch.bfloat16,
-           seed: int = 0) -> Path:
+           seed: int = 0, size: str = "small") -> Path:
     """Quantize a fresh tiny model with ModelOpt and export it into ``out`` (created); returns ``out``."""
     import modelopt.torch.quantization as mtq
     from modelopt.torch.export import export_hf_checkpoint
@@ -132,7 +139,7 @@ def export(out: Path, arch: str = "llama", algo: str = "W4A16_NVFP4", *, tied: b
         raise ValueError(f"algo {algo!r} is not one of {ALGOS}")
     if algo == "NVFP4_AWQ" and arch not in ("llama", "qwen3"):
         raise ValueError("ModelOpt 0.47's NVFP4_AWQ export fails on transformers 5's fused MoE experts")
-    model = _model(arch, tied, dtype, seed)
+    model = _model(arch, tied, dtype, seed, size)
     cfg = mtq.W4A16_NVFP4_CFG if algo == "W4A16_NVFP4" else mtq.NVFP4_DEFAULT_CFG
     if fp8_kv:
         cfg = {**cfg, "quant_cfg": list(cfg["quant_cfg"]) + list(mtq.FP8_KV_CFG["quant_cfg"])}
@@ -156,9 +163,10 @@ def main() -> None:
     ap.add_argument("--shard-size", default=None)
     ap.add_argument("--fp8-kv", action="store_true")
     ap.add_argument("--float16", action="store_true")
+    ap.add_argument("--size", default="small", choices=tuple(SIZES))
     a = ap.parse_args()
     export(a.out, a.arch, a.algo, tied=a.tied, shard_size=a.shard_size, fp8_kv=a.fp8_kv,
-           dtype=torch.float16 if a.float16 else torch.bfloat16)
+           dtype=torch.float16 if a.float16 else torch.bfloat16, size=a.size)
     print(a.out)
 
 

@@ -1,6 +1,6 @@
 """Fixture checkpoints and the reference model, checked against an independent implementation.
 
-The independent implementation is ``transformers`` (LlamaForCausalLM / Qwen3MoeForCausalLM) in float64 with
+The independent implementation is ``transformers`` (the checkpoint's own model class) in float64 with
 the checkpoint's weights dequantized in float64 (``e2m1 * e4m3 * weight_scale_2``, with the AWQ
 ``pre_quant_scale`` folded into the weight columns: ``(x * s) @ W^T == x @ (W * s)^T``). Our reference model
 runs in its exact (float64) mode, which keeps the same fp32 stages as transformers (RMSNorm statistics,
@@ -90,8 +90,15 @@ def transformers_model(ckpt):
 
 
 def fp32_stages(cfg) -> int:
-    per_layer = 4 + (3 if cfg.arch == "qwen3_moe" else 0)  # 2 norms, rope, softmax (+ q/k norm, router)
-    return per_layer * cfg.num_layers + 1
+    """fp32 stages along a path to a logit: per layer 2 RMSNorms, the rotary tables and the attention softmax,
+    plus the q/k norms (Qwen3), the latent RMSNorms (DeepSeek-V3's q_a / kv_a), and in a MoE layer the router
+    softmax (Qwen3-MoE, Mixtral) or DeepSeek-V3's fp32 router GEMM and sigmoid; plus the final norm."""
+    stages = 0
+    for i in range(cfg.num_layers):
+        stages += 4 + (2 if cfg.qk_norm else 0) + ((1 + bool(cfg.q_lora_rank)) if cfg.is_mla else 0)
+        if cfg.is_moe(i):
+            stages += 2 if cfg.router == "sigmoid_grouped" else 1
+    return stages + 1
 
 
 @pytest.mark.parametrize("arch", ARCHS)
