@@ -80,6 +80,12 @@ def _model(arch: str, tied: bool, dtype: torch.dtype, seed: int, size: str = "sm
                 layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(16, generator=g) * 0.05)
     else:
         raise ValueError(f"arch {arch!r} is not one of {ARCHS}")
+    if size == "tiny":  # transformers initialises every RMSNorm weight to ones: a reader ignoring them would pass
+        g = torch.Generator().manual_seed(seed + 2)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
     model.config.architectures = [type(model).__name__]
     return model.to(dtype).eval()
 
