@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from conformance.perf import measure as perf  # noqa: E402
-from conformance.backends.reference import ReferenceBackend  # noqa: E402
+from conformance.adapters.reference.kernel import ReferenceBackend  # noqa: E402
 from reference_impl.dense import w4a16_linear_exact  # noqa: E402
 
 TINY_SHAPES = ((256, 256), (512, 256), (320, 1024))

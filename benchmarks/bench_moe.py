@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_dense import _mib, peak_extra_bytes, wall  # noqa: E402
 from conformance.perf import measure as perf  # noqa: E402
-from conformance.backends.reference import ReferenceBackend  # noqa: E402
+from conformance.adapters.reference.kernel import ReferenceBackend  # noqa: E402
 
 
 def bench(shapes, tokens, timer: perf.Timer, rates: perf.DeviceRates) -> list[dict]:

@@ -49,7 +49,7 @@ import torch
 
 from .dense import uses_cublas_fp32_gemm
 from .exact_dot import exact_matmul_fp32
-from .moe import NVFP4Experts, apply_activation, is_gated, local_expert_offset
+from .moe_experts import NVFP4Experts, apply_activation, is_gated, local_expert_offset
 from .nvfp4 import codes_times_block_scales
 
 MOE_CHUNK_BYTES = 1 << 30

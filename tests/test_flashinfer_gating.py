@@ -12,8 +12,8 @@ import torch
 
 from conformance.interfaces.kernel import CaseInfo
 from conformance.backends import load_backends
-from conformance.backends import flashinfer as fi_backend
-from conformance.backends.flashinfer import (
+from conformance.adapters.flashinfer import kernel as fi_backend
+from conformance.adapters.flashinfer.kernel import (
     KNOWN_GEMM_BACKENDS,
     REQUIRED_VERSION,
     FlashInferBackend,
@@ -21,7 +21,7 @@ from conformance.backends.flashinfer import (
     capability_skip_reason,
     shape_skip_reason,
 )
-from conformance.backends.flashinfer_platform import (
+from conformance.adapters.flashinfer.platform import (
     CUDNN_BF16_FP4_MIN_BACKEND_VERSION,
     EmulatedFlashInfer,
     InstalledFlashInfer,

@@ -30,14 +30,14 @@ def test_each_interface_is_one_documented_abstract_class(interface) -> None:
 
 def test_rules_engine_is_not_a_layer_code_engine() -> None:
     with pytest.raises(NotALayerCodeEngine, match="is not a LayerCodeEngine"):
-        load_layer_code_engine("conformance.rules.reference:ReferenceRules")
+        load_layer_code_engine("conformance.adapters.reference.rules:ReferenceRules")
 
 
 @pytest.mark.integration
 def test_engine_option_naming_rules_only_skips_the_harness_with_the_reason() -> None:
     cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
            "conformance/engine_harness/test_engine_integration.py", "conformance/rules/test_lm_head_guard.py",
-           "--engine", "conformance.rules.reference:ReferenceRules"]
+           "--engine", "conformance.adapters.reference.rules:ReferenceRules"]
     run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "is not a LayerCodeEngine" in run.stdout and " passed" in run.stdout, run.stdout[-3000:]
@@ -76,5 +76,5 @@ def test_option_help_states_the_real_defaults() -> None:
                          capture_output=True, text=True, timeout=120).stdout
     text = " ".join(out.split())  # argparse wraps help lines
     assert f"or '{DEFAULT_BACKEND}'" in text
-    assert f"or '{RULES_DEFAULT}' for the rules" in text and f"or '{HARNESS_DEFAULT}' for the harness" in text
+    assert f"else '{RULES_DEFAULT}' for the rules and '{HARNESS_DEFAULT}' for the harness" in text
     assert f"healthy, in seconds (default {START_TIMEOUT_S:g})" in text

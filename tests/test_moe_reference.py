@@ -1,6 +1,6 @@
 """Self-tests of the MoE reference (:mod:`reference_impl.moe`, :mod:`reference_impl.routing`,
 :mod:`reference_impl.online_quant`), its error bound (:mod:`conformance.moe.bounds`) and the FlashInfer
-MoE layout code (:mod:`conformance.backends.flashinfer_moe`), independent of any backend."""
+MoE layout code (:mod:`conformance.adapters.flashinfer.moe`), independent of any backend."""
 from __future__ import annotations
 
 import math
@@ -11,7 +11,7 @@ import torch
 
 import reference_impl.moe as moe
 from conformance.interfaces.kernel import CaseInfo
-from conformance.backends import flashinfer_moe as fim
+from conformance.adapters.flashinfer import moe as fim
 from conformance.moe.bounds import (
     L_GELU,
     L_SILU,
@@ -350,7 +350,7 @@ def test_gate_up_fold_is_exact_or_refused() -> None:
 
 
 def test_flashinfer_moe_skip_reasons_on_this_machine() -> None:
-    from conformance.backends.flashinfer_platform import InstalledFlashInfer
+    from conformance.adapters.flashinfer.platform import InstalledFlashInfer
 
     info = CASES["t128_e8_k2_ep2"].info()
     reason = fim.flashinfer_moe_skip_reason(info, platform=InstalledFlashInfer())
@@ -365,7 +365,7 @@ def test_flashinfer_moe_skip_reasons_on_this_machine() -> None:
 def test_flashinfer_moe_capability_gate(cap, expect) -> None:
     """The capability branch, on CPU: a made-up GPU and the emulated wrapper, whose ``__init__`` carries
     FlashInfer's ``is_compute_capability_supported`` query like the real one."""
-    from conformance.backends.flashinfer_platform import InstalledFlashInfer
+    from conformance.adapters.flashinfer.platform import InstalledFlashInfer
     from conformance._framework.tiers import Gpu
     from reference_impl import flashinfer_emulator as emu
 

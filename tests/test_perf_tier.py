@@ -10,7 +10,7 @@ import torch
 from conformance.perf import measure as perf
 from conformance.perf.plugin import PerfGate, load_perf_gates, perf_selected
 from conformance.backends import BackendLoadError, load_backends
-from conformance.backends.reference import ReferenceBackend
+from conformance.adapters.reference.kernel import ReferenceBackend
 from conformance._framework.reporting import render_markdown
 
 

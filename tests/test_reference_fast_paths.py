@@ -20,7 +20,7 @@ from conformance.moe.bounds import moe_error_bound
 from conformance.dense.checks import failing_checks
 from conformance.dense.cases import CPU_CASES
 from conformance.moe.cases import MOE_CASES, build_global_experts, build_inputs
-from conformance.backends.reference import ReferenceBackend
+from conformance.adapters.reference.kernel import ReferenceBackend
 from reference_impl.moe import fused_moe_exact, fused_moe_w4a16
 
 REPO = Path(__file__).resolve().parents[1]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conformance.rules.matrix import DEFAULT_PROFILE, MATRICES, load_matrix, mismatch, profile_names, run_case
-from conformance.rules.reference import ReferenceRules
+from conformance.adapters.reference.rules import ReferenceRules
 from tests.mutants.rules import ACCEPTED_VARIANTS, MUTANTS, PROFILE_MUTANTS
 from tests.mutants.rules_redteam import REDTEAM_MUTANTS
 
@@ -98,7 +98,7 @@ def test_sglang_engine_runs_sglang_code():
     except EngineUnavailable as exc:
         pytest.skip(f"sglang engine unavailable: {exc}")
     fu = engine.fu
-    from conformance.rules._sglang_import import import_sglang_module
+    from conformance.adapters.sglang._import import import_sglang_module
 
     model_config = import_sglang_module("sglang.srt.configs.model_config")
     breakages = [  # (module, attribute, broken version, matrix, a case that must now fail)
@@ -138,7 +138,7 @@ def test_sglang_engine_runs_sglang_code():
 
 def _refresh_without_guard(layer):
     """SGLang's CuTe DSL scale refresh minus its recapture guard: copies what fits, rebinds what does not."""
-    from conformance.rules._sglang_import import import_sglang_module
+    from conformance.adapters.sglang._import import import_sglang_module
 
     cutedsl = import_sglang_module("sglang.srt.layers.moe.moe_runner.flashinfer_cutedsl")
     w1_alpha, fc2, w2_alpha, _ = cutedsl.resolve_cutedsl_standard_scales(layer)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conformance.server.bf16_copies import STAMP, copy_tensor_name, verify_corrupt_copy, write_bf16_copy
-from conformance.server.client import Generation
+from conformance.interfaces.server_types import Generation
 from conformance.server.golden import PROMPTS, compare_with_golden
 from conformance.server.models import ModelCatalog
 from fixtures.make_checkpoints import ensure_checkpoints

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conformance.server.client import Deadline
+from conformance.interfaces.server_types import Deadline
 from conformance.server.dialects import (
     DIALECTS,
     MEMORY_TAGS,

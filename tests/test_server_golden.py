@@ -21,7 +21,7 @@ import dataclasses
 import pytest
 import torch
 
-from conformance.server.client import Generation
+from conformance.interfaces.server_types import Generation
 from conformance.server.bounds import golden_bound
 from conformance.server.golden import (MAX_NEW_TOKENS, VALUE_ATOL, VARIANCE_RTOL, GoldenTruth, compare_with_golden,
                                        compute_golden, golden_entries, load_fixture_golden, near_ties)

@@ -262,7 +262,7 @@ class _FakeServer(ServerDialect):
 
 def _golden_outputs(truth, shift: float = 0.0, diverge_at: int | None = None):
     """The golden outputs themselves (what a perfect server returns), optionally shifted."""
-    from conformance.server.client import Generation
+    from conformance.interfaces.server_types import Generation
 
     g, outs = truth.golden, []
     for i in range(len(g.prompt_ids)):

@@ -73,8 +73,8 @@ def test_b200_emulation_runs_on_this_hosts_device(monkeypatch):
 
 
 def test_flashinfer_cases_take_the_b200_tier_and_keep_their_ids():
-    from conformance.backends.flashinfer import FlashInferBackend
-    from conformance.backends.reference import ReferenceBackend
+    from conformance.adapters.flashinfer.kernel import FlashInferBackend
+    from conformance.adapters.reference.kernel import ReferenceBackend
     from conformance._framework.cases import case_for_backend
     from conformance.dense.cases import CPU_CASES
 

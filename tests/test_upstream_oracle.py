@@ -10,7 +10,7 @@ import pytest
 from conformance.rules.matrix import profile_names
 from conformance.rules.oracle import (AGREE, CHECKS, DISAGREE, NOT_APPLICABLE, ORACLE_FILE, SOURCE_FIELDS,
                                         judge, load_expectations, tally)
-from conformance.rules.reference import ReferenceRules
+from conformance.adapters.reference.rules import ReferenceRules
 from tests.mutants.rules import DeepEPNormalRejectedOnMain, LmHeadW4A16BranchMissing, PerTokenNotForcedOffUnderW4A16
 
 MIN_EXPECTATIONS = 40

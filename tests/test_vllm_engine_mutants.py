@@ -14,7 +14,7 @@ from conformance._framework.cases import as_params
 from conformance.dense.cases import DenseCase
 from conformance.engine_harness.cases import DENSE_CASES, EngineDenseCase
 from conformance.engine_harness.checks import failing_checks
-from conformance.engine_harness.vllm import VLLMLayerCode
+from conformance.adapters.vllm.layer_code import VLLMLayerCode
 
 _CASES = {c.id: c for c in DENSE_CASES}
 # N = 256 and K/16 = 8 fill whole 128x4 tiles: linear scales have exactly the swizzled byte count, so skipping

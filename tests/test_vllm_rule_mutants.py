@@ -67,8 +67,8 @@ MUTANTS = [
 
 @pytest.fixture(scope="module")
 def vllm_rules():
-    from conformance.rules._vllm_import import VLLMUnavailable
-    from conformance.rules.vllm import VLLMRules
+    from conformance.adapters.vllm._import import VLLMUnavailable
+    from conformance.adapters.vllm.rules import VLLMRules
 
     try:
         return VLLMRules()

@@ -1,28 +1,26 @@
-"""Backend selection: ``--backend NAME`` for a built-in one, ``--backend module:attr`` for a vendor's, several
-separated by commas. Without ``--backend`` (and without ``$NVFP4_CONFORMANCE_BACKEND``) the suite runs the
-reference backend and FlashInfer's W4A16 kernels (the ``b200`` tier: skipped, with the reason, elsewhere)."""
+"""Backend selection: ``--backend NAME`` for a built-in one (the selection table's ``kernel`` column,
+``conformance/_framework/selection.py``), ``--backend module:attr`` for a vendor's, several separated by
+commas. Without ``--backend`` (and without ``$NVFP4_CONFORMANCE_BACKEND``) the suite runs the reference backend
+and FlashInfer's W4A16 kernels (the ``b200`` tier: skipped, with the reason, elsewhere)."""
 from __future__ import annotations
 
-import importlib
-import os
 from collections.abc import Iterable
 
+from conformance._framework import selection
 from conformance.interfaces.kernel import Backend
 
-BACKEND_ENV_VAR = "NVFP4_CONFORMANCE_BACKEND"
-DEFAULT_BACKEND = "reference,flashinfer"
-BUILTIN_BACKENDS = {
-    "reference": "conformance.backends.reference:ReferenceBackend",
-    "flashinfer": "conformance.backends.flashinfer:all_backends",
-}
+BACKEND_ENV_VAR = selection.OPTIONS["--backend"].env
+DEFAULT_BACKEND = selection.OPTIONS["--backend"].defaults["kernel"]
+#: built-in name -> ``module:attr`` (a view of the selection table)
+BUILTIN_BACKENDS = {n: selection.target_of(n, "kernel") for n in selection.names_for("kernel")}
 
 
-class BackendLoadError(RuntimeError):
+class BackendLoadError(selection.SelectionError):
     """The backend named on the command line could not be imported or built."""
 
 
 def backend_spec_from_env(cli_value: str | None) -> str:
-    return cli_value or os.environ.get(BACKEND_ENV_VAR) or DEFAULT_BACKEND
+    return selection.option_value("--backend", cli_value, "kernel")
 
 
 def load_backends(spec: str) -> list[Backend]:
@@ -41,20 +39,11 @@ def load_backends(spec: str) -> list[Backend]:
 
 
 def _load_one(spec: str) -> list[Backend]:
-    target = BUILTIN_BACKENDS.get(spec, spec)
-    if ":" not in target:
-        raise BackendLoadError(
-            f"unknown backend {spec!r}: use one of {sorted(BUILTIN_BACKENDS)} or 'module:attr'"
-        )
-    module_name, attr = target.split(":", 1)
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise BackendLoadError(f"cannot import backend module {module_name!r}: {exc}") from exc
-    try:
-        obj = getattr(module, attr)
-    except AttributeError as exc:
-        raise BackendLoadError(f"module {module_name!r} has no attribute {attr!r}") from exc
+        target = selection.target_of(spec, "kernel")
+        obj = selection.import_target(target)
+    except selection.SelectionError as exc:
+        raise BackendLoadError(str(exc)) from exc
     if isinstance(obj, type) and issubclass(obj, Backend):
         obj = obj()
     elif not isinstance(obj, Backend) and callable(obj):

@@ -59,8 +59,8 @@ DENSE_SHAPES = [(1, 256, 128), (7, 192, 256), (33, 4096, 4096), (128, 1024, 512)
 @pytest.mark.parametrize("m,n,k", DENSE_SHAPES)
 def test_dense_agrees_within_bound(backend_tag, m, n, k):
     api = _real_api()
-    from conformance.backends.flashinfer import capability_skip_reason, precondition_skip_reason
-    from conformance.backends.flashinfer_platform import InstalledFlashInfer
+    from conformance.adapters.flashinfer.kernel import capability_skip_reason, precondition_skip_reason
+    from conformance.adapters.flashinfer.platform import InstalledFlashInfer
 
     gpu = torch.cuda.get_device_capability(), torch.cuda.get_device_name()
     reason = capability_skip_reason(api.mm_bf16_fp4, backend_tag, *gpu) or precondition_skip_reason(
@@ -102,8 +102,8 @@ MOE_ROUTINGS = ("topk", "duplicate_ids", "padding_ids")
 @pytest.mark.parametrize("routing", MOE_ROUTINGS)
 @pytest.mark.parametrize("case", MOE_CASES, ids=[c.id for c in MOE_CASES])
 def test_moe_agrees_within_bound(case: EngineMoECase, routing: str):
-    from conformance.backends.flashinfer_moe import flashinfer_moe_skip_reason
-    from conformance.backends.flashinfer_platform import InstalledFlashInfer
+    from conformance.adapters.flashinfer.moe import flashinfer_moe_skip_reason
+    from conformance.adapters.flashinfer.platform import InstalledFlashInfer
     from conformance.moe.bounds import moe_error_bound
     from conformance.moe.cases import duplicate_slots, padding_slots
 

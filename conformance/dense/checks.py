@@ -11,8 +11,7 @@ is unaffected and judged by the error bound like any other row.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -327,25 +326,4 @@ def failing_checks_of_run(run: DenseRun, backend: Backend) -> dict[str, str]:
     return failures
 
 
-# ----------------------------------------------------------------------------------------- diagnosis
-@contextmanager
-def diagnosed(run: DenseRun, backend: Backend, record: Callable[[str, str], None] | None = None) -> Iterator[None]:
-    """Run checks inside; when one fails, every named check is evaluated on the same run and the diagnosis
-    rules (:mod:`conformance.dense.diagnosis`) that match are appended to the failure message as "likely cause"
-    lines (and given to ``record`` as the ``diagnosis`` property). The verdict is the check's; a diagnosis that
-    cannot be computed (the backend fails again) leaves the message as it was."""
-    from conformance._framework.diagnosis import format_diagnoses
-    from conformance.dense.diagnosis import diagnose_run
 
-    try:
-        yield
-    except AssertionError as exc:
-        try:
-            diagnoses = diagnose_run(run, failing_checks_of_run(run, backend))
-        except Exception:  # noqa: BLE001 - the original failure is what the user must see
-            raise exc from None
-        if not diagnoses:
-            raise
-        if record is not None:
-            record("diagnosis", "; ".join(str(d) for d in diagnoses))
-        raise AssertionError(f"{exc}{format_diagnoses(diagnoses)}").with_traceback(exc.__traceback__) from None

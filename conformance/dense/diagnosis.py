@@ -21,7 +21,8 @@ activations / activations outside FP16's range. Every rule and pattern has a mut
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -30,7 +31,10 @@ import torch
 from reference_impl.dense import w4a16_linear_exact
 from reference_impl.nvfp4 import swizzle_offsets, swizzled_shape
 
-from conformance._framework.diagnosis import CaseOutcome, Diagnosis, Evidence, Pattern, Rule, diagnose, diagnose_cases
+from conformance._framework.diagnosis import (CaseOutcome, Diagnosis, Evidence, Pattern, Rule, diagnose, diagnose_cases,
+                                              format_diagnoses)
+from conformance.dense.checks import NAMED_CHECKS, STRICT_CHECKS, DenseRun, exact_and_bound, failing_checks_of_run
+from conformance.interfaces.kernel import Backend
 from conformance.dense.bounds import dense_error_bound
 from conformance.interfaces.kernel import DenseLayer
 
@@ -233,8 +237,6 @@ def run_facts(run, failing: Iterable[str]) -> dict[str, Any]:
     if BOUND not in failing or not isinstance(y, torch.Tensor) or y.dtype != torch.bfloat16 \
             or tuple(y.shape) != (*run.x.shape[:-1], run.case.n):
         return {}
-    from conformance.dense.checks import exact_and_bound
-
     facts: dict[str, Any] = {}
     for name, layers in _readings(run.layer).items():
         facts[f"reads:{name}"] = _reading_matches(run, layers(), y)
@@ -258,10 +260,6 @@ def run_facts(run, failing: Iterable[str]) -> dict[str, Any]:
 
 
 def evidence(run, failing: Iterable[str]) -> Evidence:
-    from conformance.dense.checks import NAMED_CHECKS
-
-    from conformance.dense.checks import STRICT_CHECKS
-
     failing = frozenset(failing)
     # evaluated on this case: the strict checks only where the case lists them, the policy only on NaN/Inf data
     evaluated = {n for n in NAMED_CHECKS if n not in STRICT_CHECKS or n in run.case.strict_checks}
@@ -280,3 +278,23 @@ def diagnose_dense_cases(results: Iterable[tuple[Any, Iterable[str]]]) -> list[D
     """The cross-case patterns of one backend's ``(case, failing check names)`` results."""
     outcomes = [CaseOutcome(c.id, frozenset(f), case_features(c), case_shape(c)) for c, f in results]
     return diagnose_cases(PATTERNS, outcomes, AREA)
+
+
+@contextmanager
+def diagnosed(run: DenseRun, backend: Backend, record: Callable[[str, str], None] | None = None) -> Iterator[None]:
+    """Run checks inside; when one fails, every named check is evaluated on the same run and the diagnosis
+    rules of this module that match are appended to the failure message as "likely cause"
+    lines (and given to ``record`` as the ``diagnosis`` property). The verdict is the check's; a diagnosis that
+    cannot be computed (the backend fails again) leaves the message as it was."""
+    try:
+        yield
+    except AssertionError as exc:
+        try:
+            diagnoses = diagnose_run(run, failing_checks_of_run(run, backend))
+        except Exception:  # noqa: BLE001 - the original failure is what the user must see
+            raise exc from None
+        if not diagnoses:
+            raise
+        if record is not None:
+            record("diagnosis", "; ".join(str(d) for d in diagnoses))
+        raise AssertionError(f"{exc}{format_diagnoses(diagnoses)}").with_traceback(exc.__traceback__) from None

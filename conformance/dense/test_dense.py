@@ -13,10 +13,10 @@ from conformance.dense.checks import (
     check_output_dtype_and_shape,
     check_summary_figures,
     check_within_error_bound,
-    diagnosed,
     run_dense_case,
     single_rounding_figures,
 )
+from conformance.dense.diagnosis import diagnosed
 from conformance.dense.cases import DENSE_CASES, NONFINITE_CASES, SINGLE_ROUNDING_CASES, DenseCase
 
 

@@ -20,8 +20,8 @@ Checks (named, like :mod:`.checks`):
   kernel, not its numbers.
 
 An engine provides the scenario as ``adapter.flashinfer_a2a_prefill(ckpt, mode, x, topk_ids, topk_weights)``
-returning a :class:`PrefillObservation`, or registers a function under its adapter name in
-:data:`PREFILL_RUNNERS` (SGLang's lives in :mod:`.sglang_a2a`); without either the cases skip with that reason.
+returning a :class:`PrefillObservation` (SGLang's: :mod:`conformance.adapters.sglang.a2a_prefill`); without it the
+cases skip with that reason.
 """
 from __future__ import annotations
 
@@ -87,23 +87,10 @@ def w4a4_expected_activations(case: EngineMoECase, x: torch.Tensor) -> tuple[tor
     return quantize_kernel(x, 1.0 / input_scale)
 
 
-def _sglang_runner():
-    from conformance.engine_harness.sglang_a2a import flashinfer_a2a_prefill
-
-    return flashinfer_a2a_prefill
-
-
-#: adapter name -> factory of ``fn(adapter, ckpt, mode, x, topk_ids, topk_weights) -> PrefillObservation``
-PREFILL_RUNNERS = {"sglang": _sglang_runner}
-
-
 def prefill_runner(adapter):
     """The adapter's FlashInfer-A2A prefill scenario, or ``None`` when it has none."""
     own = getattr(adapter, "flashinfer_a2a_prefill", None)
-    if own is not None:
-        return lambda _adapter, *args: own(*args)
-    factory = PREFILL_RUNNERS.get(getattr(adapter, "name", ""))
-    return factory() if factory else None
+    return None if own is None else (lambda _adapter, *args: own(*args))
 
 
 def prefill_failures(adapter, case: EngineMoECase) -> dict[str, str]:

@@ -97,7 +97,7 @@ def failing_checks(adapter, case, platform=None) -> dict[str, str]:
     failing checks by name (empty: the engine conforms). ``scenario_completes`` fails when the engine or
     the emulator raises (e.g. the emulator rejecting an argument FlashInfer would reject).
 
-    ``platform`` (a :class:`~conformance.backends.flashinfer_platform.FlashInferPlatform`) selects the ``b200``
+    ``platform`` (a :class:`~conformance.adapters.flashinfer.platform.FlashInferPlatform`) selects the ``b200``
     variant: the engine's layer code calls that platform's FlashInfer (the real kernels on a B200, the emulator
     under ``--flashinfer-emulated``) on the ``b200`` tier's device. ``None``: the emulator on the CPU."""
     from conformance.dense.cases import build_activations, build_layer

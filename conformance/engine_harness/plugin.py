@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from conformance.rules import DEFAULT_ENGINE as DEFAULT_RULES_ENGINE, ENGINE_ENV_VAR as RULES_ENGINE_ENV_VAR
-from conformance.engine_harness import DEFAULT_ENGINE, ENGINE_ENV_VAR, EngineLoadError, NotALayerCodeEngine, load_layer_code_engine
+from conformance._framework import selection
+from conformance.engine_harness import EngineLoadError, NotALayerCodeEngine, load_layer_code_engine
+
+
+_ENGINE = selection.OPTIONS["--engine"]
+
+
+def _engine_names() -> list[str]:
+    return list(dict.fromkeys(selection.names_for("rules") + selection.names_for("layer_code")))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -13,10 +20,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--engine",
         default=None,
-        help=f"engine under test: a built-in name (reference, sglang, vllm) or module:attr naming a RulesEngine "
-        f"(configuration rules) and/or LayerCodeEngine (layer code under the harness) subclass; default: "
-        f"${RULES_ENGINE_ENV_VAR} or '{DEFAULT_RULES_ENGINE}' for the rules, ${ENGINE_ENV_VAR} or "
-        f"'{DEFAULT_ENGINE}' for the harness",
+        help=f"engine under test: a built-in name ({', '.join(_engine_names())}) or module:attr naming a "
+        f"RulesEngine (configuration rules) and/or LayerCodeEngine (layer code under the harness) subclass; "
+        f"default: ${_ENGINE.env}, else '{_ENGINE.defaults['rules']}' for the rules and "
+        f"'{_ENGINE.defaults['layer_code']}' for the harness (the reference has no layer code)",
     )
 
 

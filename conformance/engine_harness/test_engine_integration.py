@@ -58,9 +58,9 @@ def _flashinfer_platform(kind: str):
     the CuTe DSL MoE, gated as FlashInfer gates them."""
     import torch
 
-    from conformance.backends.flashinfer import capability_skip_reason, precondition_skip_reason
-    from conformance.backends.flashinfer_moe import flashinfer_moe_skip_reason
-    from conformance.backends.flashinfer_platform import current_platform
+    from conformance.adapters.flashinfer.kernel import capability_skip_reason, precondition_skip_reason
+    from conformance.adapters.flashinfer.moe import flashinfer_moe_skip_reason
+    from conformance.adapters.flashinfer.platform import current_platform
     from conformance._framework.tiers import device_for_tier
 
     platform = current_platform()

@@ -3,9 +3,9 @@
 
 A :class:`LayerCodeEngine` builds the engine's own layer objects, feeds checkpoint tensors through the engine's
 own weight loaders and post-load processing, and says which module-level names of the engine must point at the
-emulator (:class:`~conformance.engine_harness.standin.StandIn`). The harness runs the scenario (build, load,
+emulator (:class:`~conformance.interfaces.standin.StandIn`). The harness runs the scenario (build, load,
 forward, reload, forward) and judges what it observed. The built-ins are SGLang's
-(:class:`conformance.engine_harness.sglang.SGLangLayerCode`) and vLLM's (:class:`conformance.engine_harness.vllm.VLLMLayerCode`); select one with ``--engine NAME|module:attr``.
+(:class:`conformance.adapters.sglang.layer_code.SGLangLayerCode`) and vLLM's (:class:`conformance.adapters.vllm.layer_code.VLLMLayerCode`); select one with ``--engine NAME|module:attr``.
 Not to be confused with :class:`conformance.interfaces.rules.RulesEngine`, an engine's configuration rules.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import torch
 
-from conformance.engine_harness.standin import StandIn
+from conformance.interfaces.standin import StandIn
 from conformance.interfaces.kernel import DenseLayer, MoEExperts
 
 Mode = Literal["w4a16", "w4a4"]

@@ -16,7 +16,7 @@ from urllib.parse import urlparse
 
 import requests
 
-from conformance.server.client import LOCAL_HOSTS, Deadline, Generation
+from conformance.interfaces.server_types import LOCAL_HOSTS, Deadline, Generation
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's names; each dialect maps them
 

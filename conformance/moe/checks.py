@@ -8,8 +8,7 @@ the contribution of its own experts only.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -234,30 +233,6 @@ def failing_moe_checks_of_run(run: MoERun, backend: Backend) -> dict[str, str]:
     except AssertionError as exc:
         failures.setdefault(_check_tag(str(exc)), str(exc).splitlines()[0])
     return failures
-
-
-@contextmanager
-def diagnosed(run: MoERun | Callable[[], MoERun], backend: Backend,
-              record: Callable[[str, str], None] | None = None) -> Iterator[None]:
-    """As :func:`conformance.dense.checks.diagnosed`: on a failure inside, every MoE check is evaluated and the
-    matching rules of :mod:`conformance.moe.diagnosis` are appended as "likely cause" lines. ``run`` may be a
-    callable making a fresh run (for checks that call the backend again on the run's prepared experts)."""
-    from conformance._framework.diagnosis import format_diagnoses
-    from conformance.moe.diagnosis import diagnose_run
-
-    try:
-        yield
-    except AssertionError as exc:
-        try:
-            judged = run() if callable(run) else run
-            diagnoses = diagnose_run(judged, failing_moe_checks_of_run(judged, backend))
-        except Exception:  # noqa: BLE001 - the original failure is what the user must see
-            raise exc from None
-        if not diagnoses:
-            raise
-        if record is not None:
-            record("diagnosis", "; ".join(str(d) for d in diagnoses))
-        raise AssertionError(f"{exc}{format_diagnoses(diagnoses)}").with_traceback(exc.__traceback__) from None
 
 
 def _check_tag(message: str) -> str:

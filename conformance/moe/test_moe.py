@@ -14,9 +14,9 @@ from conformance.moe.checks import (
     check_moe_prepared_reuse,
     check_moe_summary_figures,
     check_moe_within_bound,
-    diagnosed,
     run_moe_case,
 )
+from conformance.moe.diagnosis import diagnosed
 from conformance.moe.cases import MOE_CASES, MoECase
 
 EP_CASES = [c for c in MOE_CASES if c.ep_size > 1]

@@ -34,7 +34,7 @@ import torch
 
 from conformance._framework.snapshots import Approx, deserialize_entries, snapshot_root
 from conformance.server.bounds import golden_bound
-from conformance.server.client import Generation
+from conformance.interfaces.server_types import Generation
 from conformance.server.fidelity import check_logprob_fidelity
 
 PROMPTS = ("the city of water", "a new river and the old stone tree", "music of the sea and the moon",

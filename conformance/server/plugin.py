@@ -23,6 +23,7 @@ import warnings
 
 import pytest
 
+from conformance._framework import selection
 from conformance.server.configs import ServerConfig, parse_configs, reference_configs
 from conformance.server.launcher import REFERENCE_TEMPLATE, ServerProcess, ServerStartError
 from conformance.server.dialects import DIALECTS, ServerDialect, make_dialect
@@ -31,7 +32,7 @@ from conformance.server.models import (DEFAULT_MODELS, SERVED_WEIGHTS, ModelCata
 from conformance.server.scenarios import SCENARIOS, Scenario, fresh_outputs, run_scenario
 
 ATTACHED = ServerConfig(1, device="attached", tier="cpu")
-SERVER_API_ENV = "NVFP4_CONFORMANCE_SERVER_API"
+SERVER_API_ENV = selection.OPTIONS["--server-api"].env
 START_TIMEOUT_S = 240.0
 
 
@@ -41,9 +42,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help="command template starting the server under test; placeholders {python} {model_path} "
                      "{port} {tp} {dp} {ep} {device} (default: the reference server)")
     g.addoption("--server-url", default=None, help="attach to a running server (127.0.0.1 only) instead")
-    g.addoption("--server-api", default=os.environ.get(SERVER_API_ENV, "sglang"), metavar="|".join(DIALECTS),
-                help=f"the API the scenarios speak (conformance/server/dialects.py; default sglang, or "
-                     f"${SERVER_API_ENV}); a comma-separated list runs the scenarios through each, on the same "
+    g.addoption("--server-api", default=selection.option_value("--server-api", None, "server"),
+                metavar="|".join(DIALECTS),
+                help=f"the API the scenarios speak (the selection table's server column; default "
+                     f"{selection.OPTIONS['--server-api'].defaults['server']}, or ${SERVER_API_ENV}); a comma-separated list runs the scenarios through each, on the same "
                      f"servers; scenarios needing an endpoint the API lacks skip with the reason")
     g.addoption("--server-model-path", default=None,
                 help="with --server-url: the fixture checkpoint (<family>-a) it serves (default: from /get_model_info)")

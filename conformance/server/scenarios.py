@@ -21,7 +21,7 @@ from typing import Callable
 import pytest
 
 from conformance.server.bounds import RELOAD_LOGPROB_TOL, tp_logprob_bound
-from conformance.server.client import Deadline, Generation
+from conformance.interfaces.server_types import Deadline, Generation
 from conformance.server.bf16_copies import verify_corrupt_copy
 from conformance.server.derive import verify_corrupt
 from conformance.server.dialects import ServerDialect, SamplingSpec

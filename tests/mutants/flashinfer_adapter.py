@@ -1,4 +1,4 @@
-"""Layout bugs planted in the FlashInfer adapter (``conformance/backends/flashinfer*.py``), as a pytest plugin for
+"""Layout bugs planted in the FlashInfer adapter (``conformance/adapters/flashinfer/kernel*.py``), as a pytest plugin for
 the emulated b200 tier's self-test (tests/test_flashinfer_emulated_tier.py): load it with
 ``-p tests.mutants.flashinfer_adapter`` and name the bugs in ``$NVFP4_FLASHINFER_ADAPTER_MUTANTS``
 (comma-separated). Each is a classic integration slip that gives the kernel well-formed tensors of the right
@@ -38,7 +38,7 @@ def _padded_linear_scales(scales: torch.Tensor) -> torch.Tensor:
 
 
 def pytest_configure(config) -> None:
-    from conformance.backends import flashinfer, flashinfer_moe
+    from conformance.adapters.flashinfer import kernel as flashinfer, moe as flashinfer_moe
 
     planted = [m.strip() for m in os.environ.get(MUTANTS_ENV_VAR, "").split(",") if m.strip()]
     for mutant in planted:

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from conformance.interfaces.kernel import Backend, DenseLayer, MoEExperts
-from conformance.backends import flashinfer_moe
-from conformance.backends.flashinfer_moe import KernelMoEWeights, build_kernel_layout, read_back_kernel_layout
+from conformance.adapters.flashinfer import moe as flashinfer_moe
+from conformance.adapters.flashinfer.moe import KernelMoEWeights, build_kernel_layout, read_back_kernel_layout
 from reference_impl.moe import fused_moe_w4a16
 from reference_impl.nvfp4 import W13_CHUNK_ROWS
 
@@ -347,7 +347,7 @@ class DuplicateSlotsMerged(KernelLayoutMoE):
 
 
 class FlashInferAdapterOnEmulator(Backend):
-    """The real FlashInfer adapter (:mod:`conformance.backends.flashinfer_moe`) driving the pure-PyTorch
+    """The real FlashInfer adapter (:mod:`conformance.adapters.flashinfer.moe`) driving the pure-PyTorch
     ``CuteDslMoEWrapper`` emulator (:mod:`reference_impl.flashinfer_emulator`) instead of the GPU kernel:
     checks the adapter's layout, alphas, offsets and arguments on CPU."""
 

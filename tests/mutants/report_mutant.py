@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from conformance.backends.reference import ReferenceBackend
+from conformance.adapters.reference.kernel import ReferenceBackend
 from reference_impl.dense import w4a16_linear
 
 

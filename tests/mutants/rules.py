@@ -9,7 +9,7 @@ from reference_impl import config_rules as R
 from reference_impl import lm_head as L
 from reference_impl import reload as RL
 
-from conformance.rules.reference import ReferenceRules
+from conformance.adapters.reference.rules import ReferenceRules
 
 
 class QwenFusionGuardMissing(ReferenceRules):

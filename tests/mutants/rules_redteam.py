@@ -8,7 +8,7 @@ from torch.nn import Parameter
 from reference_impl import config_paths as P
 from reference_impl import config_rules as R
 
-from conformance.rules.reference import ReferenceRules
+from conformance.adapters.reference.rules import ReferenceRules
 
 
 def _rewrite_env(inputs, key: str, fn) -> dict:

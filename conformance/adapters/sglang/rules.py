@@ -17,7 +17,7 @@ What is called (looked up on the SGLang modules at call time, so a monkeypatched
   with an existing Parameter) the CuTe DSL MoE scale refresh ``refresh_cutedsl_standard_scales_for_weight_update``,
   where 0.5.23 keeps its recapture guard (the Parameter plays the captured GEMM1 alpha);
 - fp4_backend: ``fp4_utils.initialize_fp4_gemm_config`` under the case's platform probes;
-- the other matrices added with the rule profiles: see ``sglang_paths``.
+- the other matrices added with the rule profiles: see :mod:`.rule_paths`.
 
 Hardware probes are answered by the case (``platform``: SM100 / SM90 / SM120 / SM121 / CPU) by patching SGLang's
 probe functions for the duration of one call; environment variables and SGLang's module globals are restored
@@ -36,8 +36,8 @@ import torch
 
 from conformance.interfaces.rules import Inputs, RulesEngine
 from conformance.rules import _source
-from conformance.rules._sglang_import import SGLangUnavailable, import_sglang_module, sglang_version
-from conformance.rules.sglang_paths import SGLangPathRules
+from conformance.adapters.sglang._import import SGLangUnavailable, import_sglang_module, sglang_version
+from conformance.adapters.sglang.rule_paths import SGLangPathRules
 
 _ENV_NAMES = {"w4a16": "SGLANG_FLASHINFER_CUTEDSL_NVFP4_W4A16", "nvfp4_dispatch": "SGLANG_MOE_NVFP4_DISPATCH"}
 _CAPABILITY = {"sm100": (10, 0), "sm90": (9, 0), "sm120": (12, 0), "sm121": (12, 1), "cpu": (0, 0)}

@@ -22,6 +22,7 @@ reason naming what was found and what is needed, checked the way FlashInfer 0.7.
 from __future__ import annotations
 
 import abc
+import re
 from types import ModuleType
 from typing import Any
 
@@ -34,6 +35,39 @@ from conformance._framework.tiers import Gpu, b200_emulated
 CUDNN_BF16_FP4_MIN_BACKEND_VERSION = 92301
 #: ``gemm_base._check_cudnn_fp4_availability``: the cuDNN frontend must be 1.13 or newer for FP4.
 CUDNN_MIN_FRONTEND = (1, 13)
+
+
+#: The first FlashInfer release with ``prepare_bf16_fp4_weights`` / ``mm_bf16_fp4``.
+REQUIRED_VERSION = "0.6.18"
+
+
+def _version_tuple(version: str) -> tuple[int, int, int]:
+    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
+    if not m:
+        raise ValueError(f"unparseable FlashInfer version {version!r}")
+    return int(m[1]), int(m[2]), int(m[3] or 0)
+
+
+def load_flashinfer() -> tuple[ModuleType | None, str | None]:
+    """``(module, None)`` when a usable FlashInfer is installed, else ``(None, reason)``."""
+    need = f"the flashinfer backend needs flashinfer-python>={REQUIRED_VERSION}"
+    try:
+        import flashinfer
+    except ImportError as exc:
+        return None, f"FlashInfer is not installed ({exc}); {need} (pip install 'flashinfer-python>={REQUIRED_VERSION}')"
+    except Exception as exc:  # noqa: BLE001 - a broken install is reported verbatim, not raised mid-collection
+        return None, f"FlashInfer failed to import ({type(exc).__name__}: {exc}); {need}"
+    version = str(getattr(flashinfer, "__version__", "0"))
+    try:
+        too_old = _version_tuple(version) < _version_tuple(REQUIRED_VERSION)
+    except ValueError as exc:
+        return None, f"{exc}; {need}"
+    if too_old:
+        return None, f"flashinfer-python {version} is older than {REQUIRED_VERSION}, which added mm_bf16_fp4; {need}"
+    missing = [f for f in ("prepare_bf16_fp4_weights", "mm_bf16_fp4") if not hasattr(flashinfer, f)]
+    if missing:
+        return None, f"flashinfer-python {version} lacks {', '.join(missing)}; {need}"
+    return flashinfer, None
 
 
 def cudnn_version_text(backend_version: int) -> str:
@@ -104,8 +138,6 @@ class InstalledFlashInfer(FlashInferPlatform):
     """The installed FlashInfer on this machine's CUDA GPUs."""
 
     def load(self) -> tuple[Any, str | None]:
-        from conformance.backends.flashinfer import load_flashinfer
-
         return load_flashinfer()
 
     def describe(self, module: Any) -> str:

@@ -1,6 +1,6 @@
 """FlashInfer's W4A16 fused MoE (``CuteDslMoEWrapper(quant_mode="w4a16")``) behind the adapter.
 
-``conformance/backends/flashinfer.py`` (the dense backend) delegates its ``prepare_moe``/``run_moe``/MoE
+``conformance/adapters/flashinfer/kernel.py`` (the dense backend) delegates its ``prepare_moe``/``run_moe``/MoE
 skip reasons here. The layout half is pure PyTorch (runs and is tested on CPU); only :func:`run_moe`
 needs FlashInfer's CuTe DSL kernels (SM100/103/107), or the emulator's under ``--flashinfer-emulated``.
 
@@ -40,7 +40,7 @@ import torch
 from reference_impl.nvfp4 import W13_CHUNK_ROWS, swizzle_128x4, swizzled_shape, to_cutedsl_w13, unswizzle_128x4
 
 from conformance.interfaces.kernel import CaseInfo, MoEExperts
-from conformance.backends.flashinfer_platform import FlashInferPlatform, current_platform
+from conformance.adapters.flashinfer.platform import FlashInferPlatform, current_platform
 
 SUPPORTED_CAPABILITIES = ((10, 0), (10, 3), (10, 7))
 _ACTIVATION_TYPE_NAMES = {"swiglu": "Swiglu", "swiglu_oai": "Swiglu", "geglu": "GegluTanh", "relu2": "Relu2"}

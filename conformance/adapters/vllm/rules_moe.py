@@ -1,7 +1,7 @@
 """vLLM 0.32's NVFP4 MoE backend choice, asked of its own ``select_nvfp4_moe_backend``
 (``model_executor/layers/fused_moe/oracle/nvfp4.py``) as ``ModelOptNvFp4FusedMoE.__init__`` asks it.
 
-Call under :func:`conformance.rules._vllm_import.emulated_platform` (the experts' device probes read the
+Call under :func:`conformance.adapters.vllm._import.emulated_platform` (the experts' device probes read the
 platform). Importing an experts class is part of the choice (``backend_to_kernel_cls``); a class whose module
 cannot be imported on this host fails the question with that error, it is never guessed.
 """

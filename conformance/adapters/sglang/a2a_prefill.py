@@ -1,7 +1,7 @@
 """SGLang 0.5.23's FlashInfer-A2A eager-prefill path under the harness (see :mod:`.a2a_prefill`).
 
 The layer is SGLang's real ``FusedMoE`` with ``ModelOptNvFp4FusedMoEMethod``, built, loaded and post-processed
-by :class:`~conformance.engine_harness.sglang.SGLangLayerCode` exactly as the MoE cases do. Then the
+by :class:`~conformance.adapters.sglang.layer_code.SGLangLayerCode` exactly as the MoE cases do. Then the
 MoE A2A backend flag is switched to ``flashinfer`` and the quant method's runner is recreated, so SGLang's
 ``MoeRunner`` picks the fused function it registered for FlashInfer A2A; ``apply`` is called with the
 standard dispatch output the FlashInfer dispatcher's eager-prefill all-gather produces (the dispatcher itself
@@ -15,7 +15,7 @@ import torch
 
 from conformance.engine_harness.a2a_prefill import PrefillObservation, recording_modules
 from conformance.engine_harness.core import MoECheckpoint, Mode
-from conformance.engine_harness.standin import AttrPatch
+from conformance.interfaces.standin import AttrPatch
 
 
 def flashinfer_a2a_prefill(adapter, ckpt: MoECheckpoint, mode: Mode, x: torch.Tensor, topk_ids: torch.Tensor,

@@ -16,7 +16,7 @@ by calling vLLM, see :meth:`VLLMLayerCode.case_skip_reason`):
   ``cute_dsl_fused_moe_nvfp4`` and accept only NVFP4 activations); Marlin's weight repack is a CUDA kernel.
 
 What a CPU host lacks, stood in here (and nothing else): the SM100 platform vLLM asks about
-(:func:`conformance.rules._vllm_import.emulated_platform`), a CPU kernel for vLLM's
+(:func:`conformance.adapters.vllm._import.emulated_platform`), a CPU kernel for vLLM's
 ``vllm::flashinfer_mm_bf16_fp4`` op (its own Python body, registered for the CPU key: vLLM registers it for
 CUDA only), ``Tensor.cuda()`` at the end of vLLM's ``nvfp4_utils.swizzle_blockscale`` (no CUDA device here),
 and the lazily-cached FlashInfer lookup of ``flashinfer_prepare_bf16_fp4_weights`` (bound at import time).
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from conformance.engine_harness.core import LayerCodeEngine, MoECheckpoint, Mode
-from conformance.engine_harness.standin import AttrPatch, StandIn
+from conformance.interfaces.standin import AttrPatch, StandIn
 from conformance.interfaces.kernel import DenseLayer
 
 TESTED_VERSION = "0.32.0"
@@ -54,7 +54,7 @@ class VLLMStandIn(StandIn):
         super().__enter__()
         stack = contextlib.ExitStack()
         try:
-            from conformance.rules._vllm_import import emulated_platform
+            from conformance.adapters.vllm._import import emulated_platform
             from vllm.config import VllmConfig, set_current_vllm_config
 
             stack.enter_context(emulated_platform(self.capability))
@@ -104,7 +104,7 @@ class VLLMLayerCode(LayerCodeEngine):
     known_deviations: dict[str, str] = {}
 
     def skip_reason(self) -> str | None:
-        from conformance.rules._vllm_import import VLLMUnavailable, import_vllm
+        from conformance.adapters.vllm._import import VLLMUnavailable, import_vllm
 
         try:
             import_vllm()
@@ -113,7 +113,7 @@ class VLLMLayerCode(LayerCodeEngine):
         return None
 
     def version(self) -> str:
-        from conformance.rules._vllm_import import vllm_version
+        from conformance.adapters.vllm._import import vllm_version
 
         return vllm_version()
 
@@ -242,8 +242,8 @@ class VLLMLayerCode(LayerCodeEngine):
 def _moe_skip_reason() -> str:
     """Which NVFP4 MoE backend vLLM 0.32 selects for a W4A16_NVFP4 checkpoint on SM100, asked of vLLM's
     ``select_nvfp4_moe_backend``, and why its CuTe DSL experts do not take W4A16 (asked of the experts class)."""
-    from conformance.rules._vllm_import import emulated_platform
-    from conformance.rules.vllm_moe import moe_backend_choice
+    from conformance.adapters.vllm._import import emulated_platform
+    from conformance.adapters.vllm.rules_moe import moe_backend_choice
 
     from vllm.model_executor.layers.fused_moe.experts.flashinfer_cutedsl_moe import FlashInferCuteDSLExperts
     from vllm.model_executor.layers.quantization.utils.quant_utils import kNvfp4Static

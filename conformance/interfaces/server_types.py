@@ -1,9 +1,9 @@
-"""What every server dialect (conformance/server/dialects.py) shares: the per-scenario deadline, the
-local-only rule and one generation as the scenarios see it.
+"""The value types of the server interface (:mod:`conformance.interfaces.server`): the per-scenario deadline,
+the local-only rule and one generation as the scenarios see it.
 
 Every HTTP call of a dialect is bounded: its timeout is the smaller of ``max_request_s`` and the time left on
 the scenario's :class:`Deadline`; when the deadline has passed the call fails with an AssertionError naming
-the scenario. The scenarios talk to a server only through a :class:`~.dialects.ServerDialect`.
+the scenario. The scenarios talk to a server only through a :class:`~conformance.interfaces.server.ServerDialect`.
 """
 from __future__ import annotations
 

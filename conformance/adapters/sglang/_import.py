@@ -18,10 +18,12 @@ import importlib.util
 import sys
 import types
 
+from conformance.adapters import EngineUnavailable
+
 SGLANG_VERSION = "0.5.23"
 
 
-class SGLangUnavailable(RuntimeError):
+class SGLangUnavailable(EngineUnavailable):
     """SGLang (or one of its import-time dependencies) is not importable here."""
 
 

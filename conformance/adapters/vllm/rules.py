@@ -10,7 +10,7 @@ What is called (looked up on vLLM's modules at call time, so a monkeypatched vLL
   ``ModelOptNvFp4FusedMoE.__init__`` passes for a ``W4A16_NVFP4`` checkpoint) on a SwiGLU layer config whose
   ``moe_backend`` is the case's ``--moe-backend``.
 
-The platform is stood in by :func:`conformance.rules._vllm_import.emulated_platform` (CUDA, the case's compute
+The platform is stood in by :func:`conformance.adapters.vllm._import.emulated_platform` (CUDA, the case's compute
 capability); the probes that ask for compiled or optional packages are answered by the case's machine (see
 ``reference_impl/vllm_rules.py``): CUTLASS FP4 compiled (``cutlass_scaled_mm_supports_fp4``: SM100 and newer),
 FlashInfer's CuTe DSL W4A16 GEMM present (``has_flashinfer_bf16_fp4``), ``humming`` installed or not
@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from conformance.interfaces.rules import Inputs, RulesEngine
-from conformance.rules._vllm_import import VLLMUnavailable, emulated_platform, import_vllm, vllm_version
+from conformance.adapters.vllm._import import VLLMUnavailable, emulated_platform, import_vllm, vllm_version
 
 VLLM_MATRICES = ("vllm_linear", "vllm_moe")
 
@@ -108,7 +108,7 @@ class VLLMRules(RulesEngine):
         return {"kernel": type(kernel).__name__}
 
     def vllm_moe_backend(self, inputs: Inputs) -> dict[str, Any]:
-        from conformance.rules.vllm_moe import select_backend
+        from conformance.adapters.vllm.rules_moe import select_backend
 
         with _machine(inputs):
             return {"backend": select_backend(inputs["moe_backend"], use_a16=True)["backend"]}

@@ -21,7 +21,7 @@ import torch
 
 from conformance.interfaces.kernel import DenseLayer
 from conformance.engine_harness.core import LayerCodeEngine, MoECheckpoint, Mode
-from conformance.engine_harness.standin import AttrPatch, StandIn
+from conformance.interfaces.standin import AttrPatch, StandIn
 
 W4A16_ENV = "SGLANG_FLASHINFER_CUTEDSL_NVFP4_W4A16"
 TESTED_VERSION = "0.5.23"
@@ -140,7 +140,7 @@ class SGLangLayerCode(LayerCodeEngine):
     def skip_reason(self) -> str | None:
         try:
             # The suite's CPU import helper (a torchvision placeholder: PyPI torchvision needs CUDA torch).
-            from conformance.rules._sglang_import import import_sglang_module
+            from conformance.adapters.sglang._import import import_sglang_module
 
             import_sglang_module("sglang.srt.layers.quantization.modelopt_quant")
             import_sglang_module("sglang.srt.layers.moe.fused_moe_triton.layer")
@@ -299,6 +299,13 @@ class SGLangLayerCode(LayerCodeEngine):
 
         router_logits = torch.zeros(x.shape[0], layer.num_experts, dtype=torch.float32, device=x.device)
         return layer(x, StandardTopKOutput(topk_weights, topk_ids, router_logits))
+
+    def flashinfer_a2a_prefill(self, ckpt: Any, mode: Any, x: torch.Tensor, topk_ids: torch.Tensor,
+                               topk_weights: torch.Tensor) -> Any:
+        """The FlashInfer-A2A eager-prefill scenario (:mod:`.a2a_prefill`) through SGLang's own MoE runner."""
+        from conformance.adapters.sglang.a2a_prefill import flashinfer_a2a_prefill
+
+        return flashinfer_a2a_prefill(self, ckpt, mode, x, topk_ids, topk_weights)
 
     # ----------------------------------------------------------------------------------- shared
     def post_load(self, layer: Any) -> None:

@@ -10,17 +10,16 @@ activations flattened to 2-D, the bias added to the bf16 output.
 The backends need the ``b200`` tier (:attr:`FlashInferBackend.tier`): every case run against them is a
 ``b200`` test, on the platform's device. Gating is FlashInfer's own: the capability query
 (``mm_bf16_fp4.is_backend_supported(backend, cc)``), then the preconditions its tests check (cuDNN version,
-CuTe DSL availability: :mod:`conformance.backends.flashinfer_platform`), each a skip naming what was found and
+CuTe DSL availability: :mod:`conformance.adapters.flashinfer.platform`), each a skip naming what was found and
 what is needed. FlashInfer missing, unimportable or older than :data:`REQUIRED_VERSION` does not abort the run:
 one backend named ``flashinfer`` is returned whose every case skips with the reason (naming the version).
-Under ``--flashinfer-emulated`` the same backends drive the emulator (:class:`~conformance.backends.
-flashinfer_platform.EmulatedFlashInfer`). Fused MoE is delegated to :mod:`conformance.backends.flashinfer_moe`
+Under ``--flashinfer-emulated`` the same backends drive the emulator (:class:`~conformance.adapters.flashinfer.
+platform.EmulatedFlashInfer`). Fused MoE is delegated to :mod:`conformance.adapters.flashinfer.moe`
 and offered by one instance only (:data:`MOE_GEMM_BACKEND`), since it does not depend on the dense GEMM backend.
 """
 from __future__ import annotations
 
 import inspect
-import re
 import typing
 from dataclasses import dataclass
 from types import ModuleType
@@ -32,10 +31,14 @@ from reference_impl.dense import dense_alpha
 from reference_impl.nvfp4 import swizzle_128x4
 
 from conformance.interfaces.kernel import Backend, CaseInfo, DenseLayer, MoEExperts
-from conformance.backends.flashinfer_platform import FlashInferPlatform, cudnn_skip_reason, current_platform
+from conformance.adapters.flashinfer.platform import (  # noqa: F401 - load_flashinfer, REQUIRED_VERSION: public here too
+    REQUIRED_VERSION,
+    FlashInferPlatform,
+    cudnn_skip_reason,
+    current_platform,
+    load_flashinfer,
+)
 
-#: The first FlashInfer release with ``prepare_bf16_fp4_weights`` / ``mm_bf16_fp4``.
-REQUIRED_VERSION = "0.6.18"
 #: GEMM backends of FlashInfer 0.7.4, used only if the installed version's signature cannot be read.
 KNOWN_GEMM_BACKENDS = ("cudnn", "cute-dsl", "cute-dsl-native", "blackwell-native", "blackwell-tiled")
 #: The instance that also runs fused MoE cases (SGLang's W4A16 path uses CuTe DSL for both).
@@ -44,35 +47,6 @@ MOE_GEMM_BACKEND = "cute-dsl"
 _SHAPE_LIMITS = {
     "blackwell-tiled": (lambda n, k: n % 64 == 0, "blackwell-tiled requires N % 64 == 0 (FlashInfer 0.7.4)"),
 }
-
-
-def _version_tuple(version: str) -> tuple[int, int, int]:
-    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
-    if not m:
-        raise ValueError(f"unparseable FlashInfer version {version!r}")
-    return int(m[1]), int(m[2]), int(m[3] or 0)
-
-
-def load_flashinfer() -> tuple[ModuleType | None, str | None]:
-    """``(module, None)`` when a usable FlashInfer is installed, else ``(None, reason)``."""
-    need = f"the flashinfer backend needs flashinfer-python>={REQUIRED_VERSION}"
-    try:
-        import flashinfer
-    except ImportError as exc:
-        return None, f"FlashInfer is not installed ({exc}); {need} (pip install 'flashinfer-python>={REQUIRED_VERSION}')"
-    except Exception as exc:  # noqa: BLE001 - a broken install is reported verbatim, not raised mid-collection
-        return None, f"FlashInfer failed to import ({type(exc).__name__}: {exc}); {need}"
-    version = str(getattr(flashinfer, "__version__", "0"))
-    try:
-        too_old = _version_tuple(version) < _version_tuple(REQUIRED_VERSION)
-    except ValueError as exc:
-        return None, f"{exc}; {need}"
-    if too_old:
-        return None, f"flashinfer-python {version} is older than {REQUIRED_VERSION}, which added mm_bf16_fp4; {need}"
-    missing = [f for f in ("prepare_bf16_fp4_weights", "mm_bf16_fp4") if not hasattr(flashinfer, f)]
-    if missing:
-        return None, f"flashinfer-python {version} lacks {', '.join(missing)}; {need}"
-    return flashinfer, None
 
 
 def offered_gemm_backends(mm_bf16_fp4: Any) -> tuple[str, ...]:
@@ -128,7 +102,7 @@ class FlashInferBackend(Backend):
     """One FlashInfer ``mm_bf16_fp4`` GEMM backend (``gemm_backend``), or, with ``unavailable`` set, the
     placeholder that skips every case with that reason. ``module`` is the FlashInfer API (the installed
     ``flashinfer``, or the emulator under ``--flashinfer-emulated``); ``platform`` answers the gating questions
-    (default: :func:`~conformance.backends.flashinfer_platform.current_platform`)."""
+    (default: :func:`~conformance.adapters.flashinfer.platform.current_platform`)."""
 
     tier = "b200"
 
@@ -211,10 +185,10 @@ class FlashInferBackend(Backend):
 
 def _moe_module() -> ModuleType:
     try:
-        from conformance.backends import flashinfer_moe
+        from conformance.adapters.flashinfer import moe as flashinfer_moe
     except ImportError as exc:
         raise NotImplementedError(
-            f"FlashInfer W4A16 MoE adapter (conformance/backends/flashinfer_moe.py) is not available: {exc}"
+            f"FlashInfer W4A16 MoE adapter (conformance/adapters/flashinfer/moe.py) is not available: {exc}"
         ) from exc
     return flashinfer_moe
 

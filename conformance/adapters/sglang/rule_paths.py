@@ -30,7 +30,7 @@ import torch
 
 from conformance.interfaces.rules import Inputs
 from conformance.rules import _source
-from conformance.rules._sglang_import import import_sglang_module
+from conformance.adapters.sglang._import import import_sglang_module
 
 _ns = types.SimpleNamespace
 _PER_TOKEN_ENV = "SGLANG_FLASHINFER_NVFP4_PER_TOKEN_ACTIVATION"
