@@ -25,7 +25,16 @@ import torch
 from conformance._framework.tiers import TIERS
 
 # ------------------------------------------------------------------------------------- areas
-#: Test-file stem (without ``test_``) -> capability area, in the order the table lists areas.
+#: Capability areas, in the order the table lists them.
+AREAS_IN_ORDER = ("format", "dense", "MoE", "config rules", "LM head", "reload", "server", "engine integration",
+                  "perf")
+#: Area package (``conformance/<folder>/``) -> its capability area: a new test module lands in its folder's area.
+FOLDER_AREAS = {"format": "format", "dense": "dense", "moe": "MoE", "rules": "config rules", "server": "server",
+                "engine_harness": "engine integration", "backends": "engine integration", "perf": "perf"}
+#: Test modules of a folder that report a narrower area than the folder's.
+MODULE_AREAS = {"conformance/rules/test_lm_head_guard.py": "LM head",
+                "conformance/rules/test_reload_binding.py": "reload"}
+#: Test-file stem (without ``test_``) prefix -> area, for test files outside an area folder (0.1's flat layout).
 AREAS: tuple[tuple[str, str], ...] = (
     ("format", "format"),
     ("dense", "dense"),
@@ -40,13 +49,20 @@ AREAS: tuple[tuple[str, str], ...] = (
 )
 OTHER_AREA = "other"
 EXPECTATIONS_AREA = "expectations"
-AREA_ORDER = [area for _, area in AREAS] + [EXPECTATIONS_AREA, OTHER_AREA]
+AREA_ORDER = [*AREAS_IN_ORDER, EXPECTATIONS_AREA, OTHER_AREA]
 
 
 def area_of(nodeid: str) -> str:
-    """``conformance/moe/test_moe.py::test_x[...]`` -> ``"MoE"``: the file stem (minus ``test_``) is matched
-    against :data:`AREAS` by prefix (``test_lm_head_guard.py`` -> ``LM head``); unknown files -> ``other``."""
-    stem = Path(nodeid.split("::", 1)[0]).stem
+    """``conformance/moe/test_moe.py::test_x[...]`` -> ``"MoE"``: the area of the test's package folder
+    (:data:`FOLDER_AREAS`, narrowed by :data:`MODULE_AREAS`); a test file outside an area folder is matched by
+    its stem (minus ``test_``) against :data:`AREAS` by prefix; anything else -> ``other``."""
+    path = nodeid.split("::", 1)[0].replace("\\", "/")
+    if path in MODULE_AREAS:
+        return MODULE_AREAS[path]
+    parts = Path(path).parts
+    if len(parts) >= 3 and parts[-3] == "conformance" and parts[-2] in FOLDER_AREAS:
+        return FOLDER_AREAS[parts[-2]]
+    stem = Path(path).stem
     stem = stem[len("test_"):] if stem.startswith("test_") else stem
     for prefix, area in AREAS:
         if stem.startswith(prefix):
@@ -371,6 +387,6 @@ def _patterns_section(tests: Iterable[Mapping[str, Any]]) -> list[str]:
         return []
     lines = ["", "## Likely causes across cases", "",
              "A check failing only on cases that share a feature, or only beyond a size, points at the code that "
-             "handles them (conformance/_framework/diagnosis.py); the failures above are the verdict.", ""]
+             "handles them (docs/reports.md, 'Likely causes'); the failures above are the verdict.", ""]
     lines += [f"- {area}, {backend}: [{d.rule}] {_cell(d.text)}" for area, backend, d in found]
     return lines

@@ -1,0 +1,18 @@
+"""The suite's public helpers: what a test, a backend or a report reader may import besides the vendor
+interfaces (:mod:`conformance.interfaces`). Everything under ``conformance._framework`` is private and may
+change without notice; docs/ cite these names only.
+
+* :class:`Approx`: a float tensor in a ``golden`` snapshot, compared within a tolerance whose derivation it
+  carries (docs/snapshots.md);
+* :func:`record_tensors`: save named tensors as the running test's failure artifacts from code that has no
+  fixture at hand (docs/reports.md);
+* :func:`detect_hardware` / :class:`Hardware` / :class:`Gpu`: the GPUs this process sees, as the tier markers
+  and ``summary.json`` describe them.
+"""
+from __future__ import annotations
+
+from conformance._framework.reporting import record_tensors
+from conformance._framework.snapshots import Approx
+from conformance._framework.tiers import Gpu, Hardware, detect_hardware
+
+__all__ = ["Approx", "Gpu", "Hardware", "detect_hardware", "record_tensors"]
