@@ -154,14 +154,8 @@ class TruthModel:
             m.mlp.gate.register_forward_hook(instrument.router_hook(cfg))
             if cfg.n_shared_experts:
                 m.mlp.register_forward_hook(instrument.round_hook)
-            cache: dict[int, tuple] = {}
-
-            def expert(e: int, cache=cache):
-                if e not in cache:
-                    cache[e] = tuple(self.weights.linear(cfg.expert(i, e, w)) for w in range(3))
-                return cache[e]
-
-            m.mlp.experts._truth_weights = expert
+            # dequantized at each use, never kept: a DeepSeek-V3 layer's 256 experts are 90 GB in fp64
+            m.mlp.experts._truth_weights = lambda e: tuple(self.weights.linear(cfg.expert(i, e, w)) for w in range(3))
             m.mlp.experts._truth_kind = self._kind(cfg.expert(i, 0, 0))
         m.eval()
         try:
