@@ -61,6 +61,7 @@ the reference's greedy path either way (exactly: the same logits decide).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 from dataclasses import dataclass
 
@@ -119,6 +120,37 @@ def checkpoint_digest(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+_DIGESTS: dict[tuple, str] = {}  # file identity -> digest, for this process
+_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="checkpoint-digest")
+
+
+def digest_in_background(files) -> "concurrent.futures.Future[str]":
+    """The full-content digest of a checkpoint, hashed on a thread while the truth computes (hashlib and the
+    file reads release the GIL), through handles of its own. Memoised per process by the files' identity
+    (path, name, size, mtime_ns, inode of every ``*.safetensors``): a second model of the same unchanged
+    checkpoint does not hash again. The digest itself still covers every byte."""
+    from pathlib import Path
+
+    from .truth.weights import CheckpointFiles
+
+    root = Path(files.path)
+    key = (str(root.resolve()), type(files).__name__,
+           tuple((f.name, st.st_size, st.st_mtime_ns, st.st_ino)
+                 for f in sorted(root.glob("*.safetensors")) for st in [f.stat()]))
+    done = _DIGESTS.get(key)
+    if done is not None:
+        fut: concurrent.futures.Future[str] = concurrent.futures.Future()
+        fut.set_result(done)
+        return fut
+
+    def run() -> str:
+        own = CheckpointFiles(files.path) if isinstance(files, CheckpointFiles) else files
+        _DIGESTS[key] = own.digest()
+        return _DIGESTS[key]
+
+    return _POOL.submit(run)
+
+
 class ExactModel:
     """A checkpoint's truth (:class:`reference_impl.truth.engine.TruthModel`) for golden outputs and on-demand
     gaps. ``device``: where the fp64 truth runs (default: CUDA if available)."""
@@ -127,8 +159,13 @@ class ExactModel:
         self.path = str(model_path)
         self.truth = TruthModel(self.path, device, cache_bytes)
         self.cfg = self.truth.cfg
-        self.digest = self.truth.files.digest()
+        self._digest = digest_in_background(self.truth.files)
         self._weights = None
+
+    @property
+    def digest(self) -> str:
+        """:func:`checkpoint_digest` of the checkpoint (hashed in a background thread from the start; waits)."""
+        return self._digest.result()
 
     @property
     def slots(self) -> int:
@@ -214,7 +251,7 @@ class ExactModel:
         diverges."""
         p, k, c = len(prompts), min(top_k, self.cfg.vocab_size), NUM_COMPONENTS
         t_max = max(len(x) for x in prompts) + steps - 1
-        out = GoldenSet(self.digest, [list(x) for x in prompts], torch.zeros(p, steps, dtype=torch.int64),
+        out = GoldenSet("", [list(x) for x in prompts], torch.zeros(p, steps, dtype=torch.int64),
                         torch.zeros(p, steps, dtype=torch.float64), torch.zeros(p, steps, c, dtype=torch.float64),
                         torch.zeros(p, steps, k, dtype=torch.int64), torch.zeros(p, steps, k, dtype=torch.float64),
                         torch.full((p, t_max, self.slots), float("inf"), dtype=torch.float64),
@@ -240,4 +277,5 @@ class ExactModel:
             for n, (t, s) in enumerate(res.routes):
                 out.route_gaps[i, t, s] = values[steps + n]
                 out.route_var[i, t, s] = var[steps + n]
+        out.checkpoint_digest = self.digest  # hashed meanwhile
         return out

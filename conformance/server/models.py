@@ -161,12 +161,13 @@ class ModelCatalog:
     """The session's served models (fixture families or user checkpoints) and their golden truths."""
 
     def __init__(self, families: list[str], fixture_root: str | None, checkpoints: list[str],
-                 tokenizer: str | None, weights: str = "nvfp4"):
+                 tokenizer: str | None, weights: str = "nvfp4", truth_device: str | None = None):
         if weights not in SERVED_WEIGHTS:
             raise ModelError(f"--server-weights {weights!r}: choose from {', '.join(SERVED_WEIGHTS)}")
         self.families, self.fixture_root, self.weights = families, fixture_root, weights
         self.checkpoints = [str(Path(c).resolve()) for c in checkpoints]
         self.tokenizer = tokenizer
+        self.truth_device = truth_device  # where the reference's truth runs (None: CUDA if available)
         self._root: Path | None = None
         self._models: dict[str, ServedModel] = {}
         self._truths: dict[tuple[str, str], GoldenTruth] = {}
@@ -255,7 +256,7 @@ class ModelCatalog:
         if ids != golden.prompt_ids:
             raise ModelError(f"{model.tokenizer} encodes the prompts to {ids}, the golden snapshot has "
                              f"{golden.prompt_ids}")
-        return GoldenTruth(f"{model.name}-{weight_set}", path, golden)
+        return GoldenTruth(f"{model.name}-{weight_set}", path, golden, device=self.truth_device)
 
     def _computed(self, model: ServedModel, weight_set: str) -> GoldenTruth:
         """Golden outputs by the reference model, once per session (cached in the work directory)."""
@@ -269,7 +270,7 @@ class ModelCatalog:
         with _locked(work_dir() / f"{model.name}-golden-{weight_set}.lock"):
             if not cache.is_file():
                 ids = check_tokenizer_fits(model.a, model.tokenizer)
-                golden = ExactModel(path).golden(ids, MAX_NEW_TOKENS)
+                golden = ExactModel(path, self.truth_device).golden(ids, MAX_NEW_TOKENS)
                 cache.parent.mkdir(parents=True, exist_ok=True)
                 cache.write_text(serialize_entries(golden_entries(golden)))
             golden = golden_from_entries(deserialize_entries(cache.read_text()))
@@ -279,4 +280,4 @@ class ModelCatalog:
             raise ModelError(f"the reference model generates token ids {beyond[:5]} on {path}, which the tokenizer "
                              f"{model.tokenizer} ({size} tokens) cannot decode: their text would be lost; pass the "
                              f"model's own tokenizer with --tokenizer")
-        return GoldenTruth(f"{model.name}-{weight_set}", path, golden)
+        return GoldenTruth(f"{model.name}-{weight_set}", path, golden, device=self.truth_device)

@@ -69,6 +69,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--server-timeout", type=float, default=None, help="time limit per scenario in seconds (default: the scenario's own, 120 unless it says otherwise)")
     g.addoption("--server-start-timeout", type=float, default=START_TIMEOUT_S,
                 help=f"time limit for a server to become healthy, in seconds (default {START_TIMEOUT_S:g})")
+    g.addoption("--truth-device", default=None, metavar="DEVICE",
+                help="where the reference's fp64 golden truth of --server-checkpoint checkpoints runs (and the "
+                     "on-demand gaps, branches and teacher-forced paths of every model), e.g. cuda, cuda:1, cpu "
+                     "(default: cuda if available, else cpu)")
     g.addoption("--server-checkpoints", default=None,
                 help="a fixture build made with `python fixtures/make_checkpoints.py --out DIR` (read only; "
                      "default: fixtures/checkpoints, built on first use)")
@@ -86,6 +90,7 @@ def pytest_configure(config: pytest.Config) -> None:
         # `-n N` alone means "load"; with "loadgroup" (the same for tests without a group) each server's
         # scenarios run in one worker, so a server starts once instead of once per worker
         config.option.dist = "loadgroup"
+    truth_device(config)  # an unusable device is a usage error at start
     checkpoints = config.getoption("--server-checkpoint")
     if config.getoption("--tokenizer") and not checkpoints:
         raise pytest.UsageError("--tokenizer applies to --server-checkpoint checkpoints (the fixtures have their own)")
@@ -168,7 +173,17 @@ def _catalog(config: pytest.Config) -> ModelCatalog:
         else:
             families = ["attached"]
     return ModelCatalog(families, root, config.getoption("--server-checkpoint"), config.getoption("--tokenizer"),
-                        config.getoption("--server-weights"))
+                        config.getoption("--server-weights"), truth_device(config))
+
+
+def truth_device(config: pytest.Config) -> str:
+    """``--truth-device``, checked at once (a clear error before any server starts), else the default."""
+    from reference_impl.truth.engine import default_device, resolve_device
+
+    try:
+        return str(resolve_device(config.getoption("--truth-device") or default_device()))
+    except ValueError as exc:
+        raise pytest.UsageError(f"--truth-device: {exc}") from exc
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -218,7 +233,8 @@ class ServerPool:
                 if not path.name.endswith("-a"):
                     pytest.fail(f"the attached server serves {path}, not a fixture checkpoint <family>-a: pass "
                                 f"--server-checkpoint {path} (and --tokenizer) instead", pytrace=False)
-                self.catalog = ModelCatalog([path.name[:-2]], str(path.parent), [], None)
+                self.catalog = ModelCatalog([path.name[:-2]], str(path.parent), [], None,
+                                            truth_device=self.catalog.truth_device)
                 name = path.name[:-2]
             return self.catalog.served(name)
         except ModelError as exc:

@@ -68,7 +68,24 @@ class Pass:
 
 
 def default_device() -> str:
+    """Where the truth runs unless told: ``cuda`` if available, else ``cpu``."""
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``device`` (None: :func:`default_device`) checked usable here: ValueError with the reason if not."""
+    try:
+        d = torch.device(device or default_device())
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"{device!r} is not a torch device ({exc})") from exc
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{device!r}: CUDA is not available here (use cpu)")
+        if d.index is not None and d.index >= torch.cuda.device_count():
+            raise ValueError(f"{device!r}: only {torch.cuda.device_count()} CUDA device(s)")
+    elif d.type != "cpu":
+        raise ValueError(f"{device!r}: the truth runs on cuda or cpu")
+    return d
 
 
 def default_cache_bytes(device: torch.device) -> int:
@@ -82,7 +99,7 @@ class TruthModel:
 
     def __init__(self, path: str, device: str | torch.device | None = None, cache_bytes: int | None = None):
         self.path = str(path)
-        self.device = torch.device(device or default_device())
+        self.device = resolve_device(device)
         config_json, quant = read_configs(path)
         translated = compressed_tensors.is_compressed_tensors(config_json.get("quantization_config")) and not (
             Path(path) / HF_QUANT_CONFIG).is_file()
@@ -137,14 +154,8 @@ class TruthModel:
             m.mlp.gate.register_forward_hook(instrument.router_hook(cfg))
             if cfg.n_shared_experts:
                 m.mlp.register_forward_hook(instrument.round_hook)
-            cache: dict[int, tuple] = {}
-
-            def expert(e: int, cache=cache):
-                if e not in cache:
-                    cache[e] = tuple(self.weights.linear(cfg.expert(i, e, w)) for w in range(3))
-                return cache[e]
-
-            m.mlp.experts._truth_weights = expert
+            # dequantized at each use, never kept: a DeepSeek-V3 layer's 256 experts are 90 GB in fp64
+            m.mlp.experts._truth_weights = lambda e: tuple(self.weights.linear(cfg.expert(i, e, w)) for w in range(3))
             m.mlp.experts._truth_kind = self._kind(cfg.expert(i, 0, 0))
         m.eval()
         try:
@@ -306,4 +317,5 @@ def _output(logits: torch.Tensor, o: Output) -> torch.Tensor:
     return torch.log_softmax(row, -1)[o.token]
 
 
-__all__ = ["Output", "Request", "Analysed", "Pass", "TruthModel", "default_device", "decisions_per_layer"]
+__all__ = ["Output", "Request", "Analysed", "Pass", "TruthModel", "default_device", "resolve_device",
+           "decisions_per_layer"]
