@@ -104,10 +104,14 @@ def _emulated_b200_reason(item: pytest.Item, hw) -> str | None:
 
 def _share_cpu_threads_between_xdist_workers() -> None:
     """Each pytest-xdist worker is a process with torch's full intra-op thread pool; n workers on n cores
-    would run n*n threads and thrash. Give each worker its share, unless the user set OMP_NUM_THREADS."""
+    would run n*n threads and thrash. Give each worker its share, unless the user set OMP_NUM_THREADS, and
+    pass the share on (``OMP_NUM_THREADS``) to the processes a worker starts (servers, nested pytest runs),
+    which would otherwise each start a full pool of their own."""
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if not workers or "OMP_NUM_THREADS" in os.environ:
         return
     import torch
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
+    share = max(1, (os.cpu_count() or 1) // int(workers))
+    torch.set_num_threads(share)
+    os.environ["OMP_NUM_THREADS"] = str(share)
