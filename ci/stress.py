@@ -27,6 +27,7 @@ pytest-repeat come with the ``test`` extra; they stay off unless asked for, see 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import random
 import subprocess
@@ -89,6 +90,18 @@ def run_pytest(name: str, args: list[str], workdir: Path) -> RunResult:
     return RunResult(name, wall, tests, failed, errors, skipped, rc)
 
 
+#: plugin module -> what needs it (both are in the test extra: pip install -e '.[test]')
+PLUGINS = {"pytest_randomly": "the random orders (-p randomly)", "pytest_repeat": "the determinism repeats (-p repeat)"}
+
+
+def missing_plugins(plan: list[tuple[str, list[str]]]) -> list[str]:
+    """The plugins the plan asks for that this interpreter cannot import: pytest would only say
+    'Error importing plugin "randomly"' (exit 4) for each run, which reads like a flake."""
+    wanted = {"pytest_randomly" if "randomly" in args else None for _, args in plan} | {
+        "pytest_repeat" if "repeat" in args else None for _, args in plan}
+    return sorted(m for m in wanted - {None} if importlib.util.find_spec(m) is None)
+
+
 def start_burners(n: int, seconds: float) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-c", BURN.format(seconds=seconds)], start_new_session=True)
             for _ in range(n)]
@@ -113,6 +126,11 @@ def main() -> int:
                       f"--count={args.repeats}", "-n", "2", DETERMINISM_FILE, "-k", DETERMINISM_K]))
     plan += [(f"order {s}", [*SELF_TESTS, "-p", "randomly", f"--randomly-seed={s}"]) for s in seeds]
 
+    missing = missing_plugins(plan)
+    if missing:
+        print(f"{sys.executable} cannot import {', '.join(missing)} ("
+              + "; ".join(PLUGINS[m] for m in missing) + "): pip install -e '.[test]'", file=sys.stderr)
+        return 2
     workdir = Path(tempfile.mkdtemp(prefix="nvfp4-stress-"))
     burners = start_burners(args.burners, args.burner_seconds)
     results: list[RunResult] = []

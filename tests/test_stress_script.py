@@ -42,7 +42,7 @@ def test_passing_run_has_no_flakes_in_random_order(stress, tmp_path):
     order = tmp_path / "order.txt"
     f = _write(tmp_path, "".join(f"def test_{i}():\n    open({str(order)!r}, 'a').write('{i} ')\n" for i in range(8)))
     r = stress.run_pytest("clean", [str(f), "-p", "randomly", "--randomly-seed=7"], tmp_path)
-    # the inner run's own output says why when it did not run (once seen: exit 4, plugin "randomly" not found)
+    # the inner run's own output says why when it did not run (exit 4 'plugin "randomly"': not installed)
     assert (r.tests, r.flakes, r.returncode) == (8, 0, 0), (tmp_path / "clean.log").read_text()[-3000:]
     ran = [int(i) for i in order.read_text().split()]
     assert sorted(ran) == list(range(8)) and ran != sorted(ran), f"pytest-randomly did not shuffle: {ran}"
@@ -58,3 +58,15 @@ def test_burner_is_bounded(stress):
     t0 = time.monotonic()
     (b,) = stress.start_burners(1, seconds=0.5)
     assert b.wait(timeout=30) == 0 and time.monotonic() - t0 < 30
+
+
+def test_a_missing_plugin_is_named_before_anything_runs(stress, monkeypatch):
+    """Without pytest-randomly every order would exit 4 ('Error importing plugin "randomly"'), which reads
+    like a flake: the script names the missing plugin and the install command instead, at once."""
+    plan = [("order 1", ["tests/", "-p", "randomly"]), ("determinism", ["-p", "repeat", "x.py"])]
+    real = stress.importlib.util.find_spec
+    monkeypatch.setattr(stress.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "pytest_randomly" else real(name, *a))
+    assert stress.missing_plugins(plan) == ["pytest_randomly"]
+    monkeypatch.setattr(stress.importlib.util, "find_spec", real)
+    assert stress.missing_plugins(plan) == []
