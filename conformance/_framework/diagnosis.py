@@ -14,7 +14,8 @@ later. A rule can only fire when a check fails: a correct backend gets no diagno
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,6 +93,27 @@ class _Facts(dict):
 def format_diagnoses(diagnoses: Iterable[Diagnosis], indent: str = "  ") -> str:
     """Lines to append to a failure message ('' when there is none)."""
     return "".join(f"\n{indent}{LIKELY_CAUSE} [{d.rule}]: {d.text}" for d in diagnoses)
+
+
+@contextmanager
+def appending_diagnoses(evaluate: Callable[[], list[Diagnosis]],
+                        record: Callable[[str, str], None] | None = None) -> Iterator[None]:
+    """Run checks inside; when one fails, ``evaluate()`` (an area's: every named check on the same run, then its
+    rules) gives the diagnoses, appended to the failure message as "likely cause" lines and given to ``record``
+    as the ``diagnosis`` property. The verdict is the check's; a diagnosis that cannot be computed (the backend
+    fails again) leaves the message as it was."""
+    try:
+        yield
+    except AssertionError as exc:
+        try:
+            diagnoses = evaluate()
+        except Exception:  # noqa: BLE001 - the original failure is what the user must see
+            raise exc from None
+        if not diagnoses:
+            raise
+        if record is not None:
+            record("diagnosis", "; ".join(str(d) for d in diagnoses))
+        raise AssertionError(f"{exc}{format_diagnoses(diagnoses)}").with_traceback(exc.__traceback__) from None
 
 
 # ----------------------------------------------------------------------------------------- across cases

@@ -21,8 +21,7 @@ activations / activations outside FP16's range. Every rule and pattern has a mut
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
@@ -32,7 +31,7 @@ from reference_impl.dense import w4a16_linear_exact
 from reference_impl.nvfp4 import swizzle_offsets, swizzled_shape
 
 from conformance._framework.diagnosis import (CaseOutcome, Diagnosis, Evidence, Pattern, Rule, diagnose, diagnose_cases,
-                                              format_diagnoses)
+                                              appending_diagnoses)
 from conformance.dense.checks import NAMED_CHECKS, STRICT_CHECKS, DenseRun, exact_and_bound, failing_checks_of_run
 from conformance.interfaces.kernel import Backend
 from conformance.dense.bounds import dense_error_bound
@@ -280,21 +279,7 @@ def diagnose_dense_cases(results: Iterable[tuple[Any, Iterable[str]]]) -> list[D
     return diagnose_cases(PATTERNS, outcomes, AREA)
 
 
-@contextmanager
-def diagnosed(run: DenseRun, backend: Backend, record: Callable[[str, str], None] | None = None) -> Iterator[None]:
-    """Run checks inside; when one fails, every named check is evaluated on the same run and the diagnosis
-    rules of this module that match are appended to the failure message as "likely cause"
-    lines (and given to ``record`` as the ``diagnosis`` property). The verdict is the check's; a diagnosis that
-    cannot be computed (the backend fails again) leaves the message as it was."""
-    try:
-        yield
-    except AssertionError as exc:
-        try:
-            diagnoses = diagnose_run(run, failing_checks_of_run(run, backend))
-        except Exception:  # noqa: BLE001 - the original failure is what the user must see
-            raise exc from None
-        if not diagnoses:
-            raise
-        if record is not None:
-            record("diagnosis", "; ".join(str(d) for d in diagnoses))
-        raise AssertionError(f"{exc}{format_diagnoses(diagnoses)}").with_traceback(exc.__traceback__) from None
+def diagnosed(run: DenseRun, backend: Backend, record: Callable[[str, str], None] | None = None):
+    """:func:`conformance._framework.diagnosis.appending_diagnoses` with every named dense check evaluated on
+    ``run`` and this module's rules matched."""
+    return appending_diagnoses(lambda: diagnose_run(run, failing_checks_of_run(run, backend)), record)

@@ -13,15 +13,14 @@ Every rule and pattern has a mutant that shows it (``tests/mutants/moe.py`` ``di
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
 import torch
 
 from conformance._framework.diagnosis import (CaseOutcome, Diagnosis, Evidence, Pattern, Rule, diagnose, diagnose_cases,
-                                              format_diagnoses)
+                                              appending_diagnoses)
 from conformance.moe.checks import MoERun, failing_moe_checks_of_run, rank_bounds
 from conformance.interfaces.kernel import Backend
 from conformance.interfaces.kernel import MoEExperts
@@ -202,22 +201,12 @@ def diagnose_moe_cases(results: Iterable[tuple[Any, Iterable[str]]]) -> list[Dia
     return diagnose_cases(PATTERNS, outcomes, AREA)
 
 
-@contextmanager
 def diagnosed(run: MoERun | Callable[[], MoERun], backend: Backend,
-              record: Callable[[str, str], None] | None = None) -> Iterator[None]:
-    """As :func:`conformance.dense.diagnosis.diagnosed`: on a failure inside, every MoE check is evaluated and the
-    matching rules of :mod:`conformance.moe.diagnosis` are appended as "likely cause" lines. ``run`` may be a
-    callable making a fresh run (for checks that call the backend again on the run's prepared experts)."""
-    try:
-        yield
-    except AssertionError as exc:
-        try:
-            judged = run() if callable(run) else run
-            diagnoses = diagnose_run(judged, failing_moe_checks_of_run(judged, backend))
-        except Exception:  # noqa: BLE001 - the original failure is what the user must see
-            raise exc from None
-        if not diagnoses:
-            raise
-        if record is not None:
-            record("diagnosis", "; ".join(str(d) for d in diagnoses))
-        raise AssertionError(f"{exc}{format_diagnoses(diagnoses)}").with_traceback(exc.__traceback__) from None
+              record: Callable[[str, str], None] | None = None):
+    """As :func:`conformance.dense.diagnosis.diagnosed`, with every MoE check and this module's rules. ``run`` may
+    be a callable making a fresh run (for checks that call the backend again on the run's prepared experts)."""
+    def evaluate():
+        judged = run() if callable(run) else run
+        return diagnose_run(judged, failing_moe_checks_of_run(judged, backend))
+
+    return appending_diagnoses(evaluate, record)
