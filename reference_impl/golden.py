@@ -61,6 +61,7 @@ the reference's greedy path either way (exactly: the same logits decide).
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import hashlib
 from dataclasses import dataclass
@@ -151,6 +152,10 @@ def digest_in_background(files) -> "concurrent.futures.Future[str]":
     return _POOL.submit(run)
 
 
+def _ints(ids) -> tuple[int, ...]:
+    return tuple(int(t) for t in ids)
+
+
 class ExactModel:
     """A checkpoint's truth (:class:`reference_impl.truth.engine.TruthModel`) for golden outputs and on-demand
     gaps. ``device``: where the fp64 truth runs (default: CUDA if available)."""
@@ -161,6 +166,23 @@ class ExactModel:
         self.cfg = self.truth.cfg
         self._digest = digest_in_background(self.truth.files)
         self._weights = None
+        self._answers: collections.OrderedDict = collections.OrderedDict()
+
+    #: On-demand answers kept (least recently used dropped first). They are pure functions of the checkpoint
+    #: and the question, and scenario runs ask the same ones again (the same engine diverges at the same step
+    #: in every scenario that sends that prompt): without the memo each is a forward (and a backward) again.
+    ANSWERS_KEPT = 512
+
+    def _memo(self, key: tuple, compute):
+        """``compute()``, or its earlier result for ``key`` (the caller must not modify what it returns)."""
+        if key in self._answers:
+            self._answers.move_to_end(key)
+            return self._answers[key]
+        value = compute()
+        self._answers[key] = value
+        if len(self._answers) > self.ANSWERS_KEPT:
+            self._answers.popitem(last=False)
+        return value
 
     @property
     def digest(self) -> str:
@@ -218,29 +240,38 @@ class ExactModel:
     def gap_variance(self, prompt: list[int], continuation: list[int], step: int, token: int) -> tuple[float, torch.Tensor]:
         """(gap, variance proxies) of ``logit(continuation[step]) - logit(token)`` at ``step`` (on demand, for
         a token outside the stored top-K)."""
-        row = len(prompt) - 1 + step
-        res = self._analyse(prompt, continuation, [Output("gap", row, continuation[step], token)], False)
-        return float(res.values[0]), res.variances[0]
+        def compute():
+            row = len(prompt) - 1 + step
+            res = self._analyse(prompt, continuation, [Output("gap", row, continuation[step], token)], False)
+            return float(res.values[0]), res.variances[0]
+
+        return self._memo(("gap", _ints(prompt), _ints(continuation), int(step), int(token)), compute)
 
     def branch(self, prompt: list[int], continuation: list[int],
                forced: dict[tuple[int, int], tuple[int, int]]) -> tuple[torch.Tensor, list[RouteDecision]]:
         """Step logits ``[N, V]`` and routing decisions of the reference's path with the decisions ``forced``
         ((slot, position) -> (drop, add)) taken the other way; every other decision is recomputed, so the flips'
         consequences downstream are included."""
-        passes, _ = self.truth.forward([list(prompt) + list(continuation[:-1])], forced=[dict(forced)])
-        return passes[0].logits[len(prompt) - 1:], passes[0].routes
+        def compute():
+            passes, _ = self.truth.forward([list(prompt) + list(continuation[:-1])], forced=[dict(forced)])
+            return passes[0].logits[len(prompt) - 1:], passes[0].routes
+
+        return self._memo(("branch", _ints(prompt), _ints(continuation), tuple(sorted(forced.items()))), compute)
 
     def forced(self, prompt: list[int], continuation: list[int], temperature: float) -> ForcedPath:
         """The reference's answer for a continuation it did not choose (a sampled one): at each step the
         logprob of the continuation's token, raw (``log_softmax(logits)``) and temperature-scaled
         (``log_softmax(logits / temperature)``), and the path's routing gaps, each with its variance proxies."""
-        n, lp = len(continuation), len(prompt)
-        outs = [Output("logprob", lp - 1 + j, continuation[j]) for j in range(n)]
-        outs += [Output("logprob", lp - 1 + j, continuation[j], temperature=temperature) for j in range(n)]
-        res = self._analyse(prompt, continuation, outs, True)
-        v, var = res.values, res.variances
-        routes = [(t, s, float(v[2 * n + k]), var[2 * n + k]) for k, (t, s) in enumerate(res.routes)]
-        return ForcedPath(v[:n], var[:n], v[n:2 * n], var[n:2 * n], routes)
+        def compute():
+            n, lp = len(continuation), len(prompt)
+            outs = [Output("logprob", lp - 1 + j, continuation[j]) for j in range(n)]
+            outs += [Output("logprob", lp - 1 + j, continuation[j], temperature=temperature) for j in range(n)]
+            res = self._analyse(prompt, continuation, outs, True)
+            v, var = res.values, res.variances
+            routes = [(t, s, float(v[2 * n + k]), var[2 * n + k]) for k, (t, s) in enumerate(res.routes)]
+            return ForcedPath(v[:n], var[:n], v[n:2 * n], var[n:2 * n], routes)
+
+        return self._memo(("forced", _ints(prompt), _ints(continuation), float(temperature)), compute)
 
     def golden(self, prompts: list[list[int]], steps: int, top_k: int = TOP_K, variances: bool = True,
                candidates: list[list[int]] | None = None) -> GoldenSet:

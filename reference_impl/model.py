@@ -85,6 +85,10 @@ def mla_softmax_scale(cfg: ModelConfig) -> float:
     return scale
 
 
+#: Largest fp64 size of a model's decoded experts that :class:`TinyModel` keeps between forwards.
+EXPERT_CACHE_BYTES = 1 << 30
+
+
 def _stack_experts(w: dict, cfg: ModelConfig, layer: int, local: list[int]) -> ExpertWeights:
     def f(e, which, name):
         return w[f"{cfg.expert(layer, e, which)}.{name}"]
@@ -131,6 +135,7 @@ class TinyModel:
         self.observer = observer
         self._decoded: dict[str, torch.Tensor] | None = None
         self._experts: dict[int, ExpertWeights] | None = None
+        self._expert_caches: dict[int, dict] = {}
         self.local_experts = sorted({int(k.split(".experts.")[1].split(".")[0]) for k in weights if ".experts." in k})
 
     # ------------------------------------------------------------------ building blocks
@@ -140,6 +145,10 @@ class TinyModel:
         self._decoded = {}
         self._experts = {i: _stack_experts(self.w, self.cfg, i, self.local_experts)
                          for i in self.cfg.moe_layers} if self.local_experts else {}
+        # decoded experts kept across forwards (fused_moe_w4a16's expert_cache) while their fp64 copies are
+        # small; a real MoE checkpoint's (16x its packed bytes) are decoded at each use instead
+        fp64_bytes = sum(8 * 2 * (e.w13.numel() + e.w2.numel()) for e in self._experts.values())
+        self._expert_caches = {i: {} for i in self._experts} if fp64_bytes <= EXPERT_CACHE_BYTES else {}
         for name, t in self.w.items():
             if name.endswith(".weight_scale") and not name.endswith("_2"):
                 prefix = name[: -len(".weight_scale")]
@@ -335,7 +344,8 @@ class TinyModel:
             if self._experts is None:
                 self.prepare()
             out = fused_moe_w4a16(xs, ids, weights, self._experts[layer], accum_dtype=torch.float64,
-                                  round_intermediate=True, out_dtype=torch.float64)
+                                  round_intermediate=True, out_dtype=torch.float64,
+                                  expert_cache=self._expert_caches.get(layer))
             routed = self.comm.moe_all_reduce(out)[mine].to(self.act)
         else:
             out, magnitude = self._moe_exact(xs, ids, weights, layer)

@@ -148,11 +148,15 @@ def fused_moe_w4a16(
     round_intermediate: bool | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
     expert_order: list[int] | None = None,
+    expert_cache: dict | None = None,
 ) -> torch.Tensor:
     """The reference W4A16 fused MoE on this rank's experts. ``x [T, H]`` bf16, ``topk_ids [T, k]`` global
     ids, ``topk_weights [T, k]``. ``round_intermediate`` defaults to True for fp32 (the kernel's bf16
     intermediate) and False for fp64 (the exact value). ``expert_order`` visits local experts in another
-    order (for self-tests of order independence)."""
+    order (for self-tests of order independence). ``expert_cache`` (fp64 accumulation only): a dict the
+    caller owns and empties when the weights change, in which decoded experts are kept across calls (the
+    same values :func:`dequantize_expert` gives at each call; a caller decoding every step of a generation
+    would otherwise decode every expert again each time)."""
     check_moe_inputs(x, topk_ids, topk_weights, experts)
     if round_intermediate is None:
         round_intermediate = accum_dtype != torch.float64
@@ -177,7 +181,12 @@ def fused_moe_w4a16(
         batches.sort(key=lambda b: rank[b.local_expert])
     weights = topk_weights.to(device=x.device, dtype=accum_dtype)
     for batch in batches:
-        w = dequantize_expert(experts, batch.local_expert, accum_dtype)
+        key = (batch.local_expert, accum_dtype)
+        w = expert_cache.get(key) if expert_cache is not None else None
+        if w is None:
+            w = dequantize_expert(experts, batch.local_expert, accum_dtype)
+            if expert_cache is not None:
+                expert_cache[key] = w
         xt = xa[batch.tokens]
         gate = matmul(xt, w.gate) * w.scale_gate
         up = matmul(xt, w.up) * w.scale_up if w.up is not None else None

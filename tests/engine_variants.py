@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from reference_impl.model import TinyModel
-from reference_impl.moe import fused_moe_w4a16
+from reference_impl.moe_grouped import prepare_experts, run_prepared_experts
 
 BF16 = torch.bfloat16
 
@@ -66,8 +66,13 @@ class Fp32EngineModel(TinyModel):
         ids, weights = self.route(xs, layer)
         if self._experts is None:
             self.prepare()
-        out = fused_moe_w4a16(xs, ids, weights, self._experts[layer], accum_dtype=torch.float32,
-                              out_dtype=torch.bfloat16)
+        # as an engine does: every expert decoded once per weight load (prepare() makes new ExpertWeights),
+        # then bf16 grouped GEMMs with fp32 accumulation (fused_moe_w4a16's fp32 path, without its per-call decode)
+        cache = self.__dict__.setdefault("_fp32_prepared", {})
+        hit = cache.get(layer)
+        if hit is None or hit[0] is not self._experts[layer]:
+            hit = cache[layer] = (self._experts[layer], prepare_experts(self._experts[layer]))
+        out = run_prepared_experts(hit[1], xs, ids, weights, out_dtype=torch.bfloat16, round_intermediate=True)
         routed = self.comm.moe_all_reduce(out.double())[mine].to(BF16)
         if not self.cfg.n_shared_experts:
             return routed

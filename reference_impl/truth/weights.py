@@ -9,7 +9,9 @@ dequantized on the device that needs them.
   (else read again from the files at every use), and :meth:`DeviceWeights.linear` -- the fp64 weight
   ``e2m1 * e4m3 * weight_scale_2 * pre_quant_scale`` (the AWQ scale folded into the columns:
   ``(x * s) @ W^T == x @ (W * s)^T``). Every factor is exact in fp64 (2 + 4 + 24 + 8 significant bits), so
-  the weight is the checkpoint's exactly.
+  the weight is the checkpoint's exactly. The fp64 weights themselves are kept too, up to
+  :data:`DECODED_KEEP_BYTES` (the small models of the fixtures and self-tests: every forward would decode them
+  again; a real checkpoint's fp64 weights, 16x its packed bytes, are mostly made at each use).
 """
 from __future__ import annotations
 
@@ -98,14 +100,23 @@ def _digest(files) -> str:
     return h.hexdigest()
 
 
+#: fp64 weights kept by :class:`DeviceWeights` (beyond its packed-tensor budget; at most a quarter of it).
+#: Small on purpose: the truth's peak device memory stays that of the packed tensors plus one layer's fp64.
+DECODED_KEEP_BYTES = 1 << 30
+
+
 class DeviceWeights:
-    """Checkpoint tensors on ``device``: packed tensors cached within ``budget_bytes``, fp64 weights made on demand."""
+    """Checkpoint tensors on ``device``: packed tensors cached within ``budget_bytes``, fp64 weights made on
+    demand (and kept while they fit :data:`DECODED_KEEP_BYTES`)."""
 
     def __init__(self, files: CheckpointFiles, device: torch.device | str, budget_bytes: int):
         self.files, self.device, self.budget = files, torch.device(device), budget_bytes
         self._cache: dict[str, torch.Tensor] = {}
         self.cached_bytes = 0
         self.read_bytes = 0  # bytes read from the files (host) since creation
+        self._decoded: dict[str, torch.Tensor] = {}
+        self.decoded_bytes = 0
+        self._decoded_budget = min(DECODED_KEEP_BYTES, budget_bytes // 4)
 
     def raw(self, name: str) -> torch.Tensor:
         t = self._cache.get(name)
@@ -130,7 +141,21 @@ class DeviceWeights:
         return f"{prefix}.weight_scale" in self.files
 
     def linear(self, prefix: str, rows: slice | None = None) -> torch.Tensor:
-        """The fp64 weight ``[N, K]`` of linear ``prefix`` (rows ``rows`` only), AWQ scale folded in."""
+        """The fp64 weight ``[N, K]`` of linear ``prefix`` (rows ``rows`` only), AWQ scale folded in. The
+        caller must not modify it (a kept weight is returned to every caller)."""
+        if rows is not None:
+            return self._decode(prefix, rows)
+        kept = self._decoded.get(prefix)
+        if kept is not None:
+            return kept
+        out = self._decode(prefix, None)
+        size = out.numel() * out.element_size()
+        if self.decoded_bytes + size <= self._decoded_budget:
+            self._decoded[prefix] = out
+            self.decoded_bytes += size
+        return out
+
+    def _decode(self, prefix: str, rows: slice | None) -> torch.Tensor:
         w = self.raw(f"{prefix}.weight")
         if w.dtype != torch.uint8:  # excluded from quantization
             return (w if rows is None else w[rows]).double()
