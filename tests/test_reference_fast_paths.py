@@ -207,3 +207,48 @@ def test_triton_grouped_gemm_under_the_interpreter() -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-3000:]
+
+
+# ----------------------------------------------------------------------------------------- kept decodes
+def test_moe_expert_cache_gives_the_same_bits_and_is_used() -> None:
+    """fused_moe_w4a16's ``expert_cache``: the same output bit for bit as decoding at each call, the decoded
+    experts kept after the first call and served from it later (a cache holding other values is used: this
+    is what the caller must empty when the weights change)."""
+    case = MOE["t7_e8_k2_h192_i192"]
+    experts = build_global_experts(case)
+    x, ids, w = build_inputs(case)
+    kw = dict(accum_dtype=torch.float64, round_intermediate=True, out_dtype=torch.float64)
+    plain = fused_moe_w4a16(x, ids, w, experts, **kw)
+    cache: dict = {}
+    first = fused_moe_w4a16(x, ids, w, experts, expert_cache=cache, **kw)
+    assert torch.equal(first, plain)
+    assert set(cache) == {(int(e), torch.float64) for e in ids.unique()}
+    assert torch.equal(fused_moe_w4a16(x, ids, w, experts, expert_cache=cache, **kw), plain)
+    stale = {k: type(v)(*(t * 2 for t in (v.gate, v.up, v.down)), v.scale_gate, v.scale_up, v.scale_down)
+             for k, v in cache.items()}
+    assert not torch.equal(fused_moe_w4a16(x, ids, w, experts, expert_cache=stale, **kw), plain)
+
+
+def test_serving_model_rebuilds_kept_experts_after_prepare() -> None:
+    """TinyModel keeps decoded experts between forwards and drops them in prepare() (every reload calls it):
+    after the expert weights change in place, the next forward is the new weights'."""
+    from fixtures.make_checkpoints import ensure_checkpoints
+    from reference_impl.checkpoint import load_checkpoint
+    from reference_impl.model import TinyModel, shard_weights, validate_checkpoint
+
+    def weights(name):
+        ckpt = load_checkpoint(ensure_checkpoints() / name)
+        return validate_checkpoint(ckpt), shard_weights(validate_checkpoint(ckpt), ckpt.tensors)
+
+    cfg, tensors = weights("moe-w4a16_nvfp4-a")
+    _, fresh_b = weights("moe-w4a16_nvfp4-b")
+    model = TinyModel(cfg, tensors)
+    seqs = [torch.tensor([1, 5, 9, 2])]
+    before = model.last_logits(seqs)
+    assert any(model._expert_caches.values()), "the fixture's experts are small: they must be kept"
+    for name, t in tensors.items():
+        t.copy_(fresh_b[name])
+    model.prepare()
+    after = model.last_logits(seqs)
+    want = TinyModel(cfg, weights("moe-w4a16_nvfp4-b")[1]).last_logits(seqs)
+    assert torch.equal(after, want) and not torch.equal(before, after)

@@ -218,3 +218,34 @@ def test_golden_check_sees_the_other_weight_set():
     _, outs_b = _reference_outputs("moe-w4a16_nvfp4", "b")
     with pytest.raises(AssertionError, match="not a legitimate divergence"):
         compare_with_golden(outs_b, truth_a, 1, "b's outputs vs a's golden")
+
+
+def test_on_demand_answers_are_kept_per_question():
+    """ExactModel keeps its on-demand answers (gap, branch, forced path): asked again, the same answer without
+    a forward; asked something else (another token, step, continuation, temperature, forced set), its own;
+    each kept answer equal to a fresh model's."""
+    path = _path("moe-w4a16_nvfp4", "a")
+    g = load_fixture_golden("moe-w4a16_nvfp4", "a")
+    prompt, cont = g.prompt_ids[0], g.output_ids[0].tolist()
+    other = [int(g.top_ids[0, 2, 1]), (cont[2] + 7) % 64]
+    exact, fresh = ExactModel(path), ExactModel(path)
+    calls = []
+    original = exact.truth.analyse
+    exact.truth.analyse = lambda *a, **k: calls.append(1) or original(*a, **k)
+    gap = exact.gap_variance(prompt, cont, 2, other[0])
+    assert exact.gap_variance(list(prompt), tuple(cont), 2, other[0]) is gap and len(calls) == 1
+    for got, want in ((gap, fresh.gap_variance(prompt, cont, 2, other[0])),
+                      (exact.gap_variance(prompt, cont, 2, other[1]), fresh.gap_variance(prompt, cont, 2, other[1])),
+                      (exact.gap_variance(prompt, cont, 3, other[0]), fresh.gap_variance(prompt, cont, 3, other[0]))):
+        assert got[0] == want[0] and torch.equal(got[1], want[1])
+    assert exact.gap_variance(prompt, cont, 2, other[1])[0] != gap[0]
+    sampled = cont[:4] + [other[0]] + cont[5:]
+    for c, t in ((cont, 0.7), (sampled, 0.7), (cont, 1.3)):
+        got, want = exact.forced(prompt, c, t), fresh.forced(prompt, c, t)
+        assert torch.equal(got.raw, want.raw) and torch.equal(got.scaled, want.scaled)
+    assert not torch.equal(exact.forced(prompt, cont, 0.7).scaled, exact.forced(prompt, cont, 1.3).scaled)
+    flip = {(0, len(prompt)): (0, 1)}
+    logits, _ = exact.branch(prompt, cont, flip)
+    assert exact.branch(prompt, cont, dict(flip))[0] is logits
+    assert torch.equal(logits, fresh.branch(prompt, cont, flip)[0])
+    assert torch.equal(exact.branch(prompt, cont, {})[0], fresh.branch(prompt, cont, {})[0])
