@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 
@@ -156,6 +157,17 @@ def _ints(ids) -> tuple[int, ...]:
     return tuple(int(t) for t in ids)
 
 
+def _tensor_bytes(value) -> int:
+    """Bytes of the tensors in ``value`` (tensors, tuples, lists, dataclasses of them)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (tuple, list)):
+        return sum(_tensor_bytes(v) for v in value)
+    if dataclasses.is_dataclass(value):
+        return sum(_tensor_bytes(getattr(value, f.name)) for f in dataclasses.fields(value))
+    return 0
+
+
 class ExactModel:
     """A checkpoint's truth (:class:`reference_impl.truth.engine.TruthModel`) for golden outputs and on-demand
     gaps. ``device``: where the fp64 truth runs (default: CUDA if available)."""
@@ -166,22 +178,27 @@ class ExactModel:
         self.cfg = self.truth.cfg
         self._digest = digest_in_background(self.truth.files)
         self._weights = None
-        self._answers: collections.OrderedDict = collections.OrderedDict()
+        self._answers: collections.OrderedDict = collections.OrderedDict()  # key -> (answer, tensor bytes)
+        self._answer_bytes = 0
 
-    #: On-demand answers kept (least recently used dropped first). They are pure functions of the checkpoint
-    #: and the question, and scenario runs ask the same ones again (the same engine diverges at the same step
-    #: in every scenario that sends that prompt): without the memo each is a forward (and a backward) again.
-    ANSWERS_KEPT = 512
+    #: On-demand answers kept (least recently used dropped first), at most this many bytes of tensors (a
+    #: branch's logits are ``[steps, vocabulary]`` fp64 on the truth device: 8 MB for a 128k vocabulary). They
+    #: are pure functions of the checkpoint and the question, and scenario runs ask the same ones again (an
+    #: engine diverges at the same step in every scenario that sends that prompt): without the memo each is a
+    #: forward (and a backward) again.
+    ANSWER_BYTES_KEPT = 256 << 20
 
     def _memo(self, key: tuple, compute):
         """``compute()``, or its earlier result for ``key`` (the caller must not modify what it returns)."""
         if key in self._answers:
             self._answers.move_to_end(key)
-            return self._answers[key]
+            return self._answers[key][0]
         value = compute()
-        self._answers[key] = value
-        if len(self._answers) > self.ANSWERS_KEPT:
-            self._answers.popitem(last=False)
+        size = _tensor_bytes(value)
+        self._answers[key] = (value, size)
+        self._answer_bytes += size
+        while self._answer_bytes > self.ANSWER_BYTES_KEPT and self._answers:
+            self._answer_bytes -= self._answers.popitem(last=False)[1][1]
         return value
 
     @property

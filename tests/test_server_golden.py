@@ -239,7 +239,7 @@ def test_on_demand_answers_are_kept_per_question():
                       (exact.gap_variance(prompt, cont, 3, other[0]), fresh.gap_variance(prompt, cont, 3, other[0]))):
         assert got[0] == want[0] and torch.equal(got[1], want[1])
     assert exact.gap_variance(prompt, cont, 2, other[1])[0] != gap[0]
-    sampled = cont[:4] + [other[0]] + cont[5:]
+    sampled = cont[:4] + [(cont[4] + 1) % 64] + cont[5:]
     for c, t in ((cont, 0.7), (sampled, 0.7), (cont, 1.3)):
         got, want = exact.forced(prompt, c, t), fresh.forced(prompt, c, t)
         assert torch.equal(got.raw, want.raw) and torch.equal(got.scaled, want.scaled)
@@ -249,3 +249,8 @@ def test_on_demand_answers_are_kept_per_question():
     assert exact.branch(prompt, cont, dict(flip))[0] is logits
     assert torch.equal(logits, fresh.branch(prompt, cont, flip)[0])
     assert torch.equal(exact.branch(prompt, cont, {})[0], fresh.branch(prompt, cont, {})[0])
+    assert 0 < exact._answer_bytes <= exact.ANSWER_BYTES_KEPT
+    exact.ANSWER_BYTES_KEPT, before = 0, len(calls)  # nothing kept: asked again, computed again
+    exact.gap_variance(prompt, cont, 4, other[1])
+    exact.gap_variance(prompt, cont, 4, other[1])
+    assert len(calls) == before + 2 and not exact._answers and exact._answer_bytes == 0
