@@ -96,6 +96,9 @@ SERVER_CMD="$VENV/bin/python -m vllm.entrypoints.openai.api_server --model {mode
 # TP2 (its one scenario, tp_agreement, on the dense family) beside TP1 (every scenario, both families)
 SELECT="cpu-tp1 or (cpu-tp2 and dense and tp_agreement)"
 # nobind: vLLM's automatic thread binding wants one NUMA node per TP rank (refused at TP2 on one node)
+# vLLM leaves sockets, distributed-init files and lock files in the temporary directory: give it one that goes
+# with $WORK (the failure messages quote the server logs, which live there too)
+mkdir -p "$WORK/tmp" && export TMPDIR="$WORK/tmp"
 export VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 \
   VLLM_CACHE_ROOT="$WORK/vllm-cache" VLLM_NO_USAGE_STATS=1 VLLM_DO_NOT_TRACK=1
 python -m pytest conformance/server/test_server_scenarios.py -p no:cacheprovider -n 0 -rA \

@@ -19,10 +19,12 @@ does, and why:
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib
 import importlib.util
 import os
+import shutil
 import sys
 import tempfile
 import types
@@ -104,7 +106,9 @@ def _init_single_process_groups() -> None:
 
     if parallel_state.model_parallel_is_initialized():
         return
-    path = os.path.join(tempfile.mkdtemp(prefix="nvfp4-vllm-"), "init")
+    store = tempfile.mkdtemp(prefix="nvfp4-vllm-")
+    atexit.register(shutil.rmtree, store, ignore_errors=True)  # the group lives as long as the process
+    path = os.path.join(store, "init")
     with set_current_vllm_config(VllmConfig()):
         parallel_state.init_distributed_environment(
             world_size=1, rank=0, local_rank=0, distributed_init_method=f"file://{path}", backend="gloo")
