@@ -153,10 +153,10 @@ def fused_moe_w4a16(
     """The reference W4A16 fused MoE on this rank's experts. ``x [T, H]`` bf16, ``topk_ids [T, k]`` global
     ids, ``topk_weights [T, k]``. ``round_intermediate`` defaults to True for fp32 (the kernel's bf16
     intermediate) and False for fp64 (the exact value). ``expert_order`` visits local experts in another
-    order (for self-tests of order independence). ``expert_cache`` (fp64 accumulation only): a dict the
-    caller owns and empties when the weights change, in which decoded experts are kept across calls (the
-    same values :func:`dequantize_expert` gives at each call; a caller decoding every step of a generation
-    would otherwise decode every expert again each time)."""
+    order (for self-tests of order independence). ``expert_cache``: a dict the caller owns and empties when
+    the weights change, in which decoded experts are kept across calls (the same values
+    :func:`dequantize_expert` gives at each call; a caller decoding every step of a generation would otherwise
+    decode every expert again each time); ignored by the fp32 path, which decodes in :mod:`.moe_grouped`."""
     check_moe_inputs(x, topk_ids, topk_weights, experts)
     if round_intermediate is None:
         round_intermediate = accum_dtype != torch.float64
