@@ -101,7 +101,8 @@ def _digest(files) -> str:
 
 
 #: fp64 weights kept by :class:`DeviceWeights` (beyond its packed-tensor budget; at most a quarter of it).
-#: Small on purpose: the truth's peak device memory stays that of the packed tensors plus one layer's fp64.
+#: Small on purpose: the truth's peak device memory grows by at most this over the packed tensors and the
+#: layer being computed.
 DECODED_KEEP_BYTES = 1 << 30
 
 
