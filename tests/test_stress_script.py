@@ -70,3 +70,26 @@ def test_a_missing_plugin_is_named_before_anything_runs(stress, monkeypatch):
     assert stress.missing_plugins(plan) == ["pytest_randomly"]
     monkeypatch.setattr(stress.importlib.util, "find_spec", real)
     assert stress.missing_plugins(plan) == []
+
+
+def test_vllm_runs_whose_outcomes_differ_are_flakes(stress, tmp_path):
+    """The vLLM stage repeated: a test that passed in the first run and failed (or was skipped) in a later one
+    is counted, as is a gate that failed with nothing failing (an unexpected pass, a stale expectation)."""
+    def report(name: str, cases: dict[str, str]) -> Path:
+        body = {"passed": "", "failed": "<failure message='x'/>", "skipped": "<skipped message='xfail'/>"}
+        xml = "".join(f"<testcase classname='c' name='{k}'>{body[v]}</testcase>" for k, v in cases.items())
+        path = tmp_path / f"{name}.xml"
+        path.write_text(f"<testsuites><testsuite tests='{len(cases)}'>{xml}</testsuite></testsuites>")
+        return path
+
+    first = stress.RunResult("vllm 1", 1.0, 3, 0, 0, 1, 0,
+                             stress.junit_outcomes(report("a", {"t1": "passed", "t2": "skipped", "t3": "passed"})))
+    assert first.outcomes == {"c::t1": "passed", "c::t2": "skipped", "c::t3": "passed"}
+    same = stress.RunResult("vllm 2", 1.0, 3, 0, 0, 1, 0, dict(first.outcomes))
+    other = stress.RunResult("vllm 3", 1.0, 3, 0, 0, 2, 0,
+                             stress.junit_outcomes(report("b", {"t1": "passed", "t2": "skipped", "t3": "skipped"})))
+    assert stress.count_differing(first, same) == 0
+    other.differing = stress.count_differing(first, other)
+    assert other.differing == 1 and other.flakes == 1
+    assert stress.RunResult("vllm 4", 1.0, 3, 0, 0, 1, 1).flakes == 1  # the gate failed, nothing failed
+    assert first.flakes == 0

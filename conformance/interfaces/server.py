@@ -10,12 +10,14 @@ skips with that reason (``unsupported`` lists them up front). A server that answ
 from __future__ import annotations
 
 import abc
+import time
 from dataclasses import dataclass
 from typing import ClassVar, Sequence
 from urllib.parse import urlparse
 
 import requests
 
+from conformance.interfaces.server_pace import HTTP_CEILING_S, Pace, ProbeResult
 from conformance.interfaces.server_types import LOCAL_HOSTS, Deadline, Generation
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's names; each dialect maps them
@@ -47,7 +49,10 @@ class ReloadResult:
 
 
 class ServerDialect(abc.ABC):
-    """One engine API. Every HTTP call is bounded by ``max_request_s`` and the scenario's ``deadline``."""
+    """One engine API. Every HTTP call is bounded by the scenario's ``deadline`` (when there is one) and by either
+    the server's :class:`~conformance.interfaces.server_pace.Pace` (limits derived from its calibration, a slow
+    server told from a lost request by probing it: set by :meth:`with_deadline`) or, without one, a fixed
+    ``max_request_s``."""
 
     name: ClassVar[str]
     #: operation -> why this API cannot do it (operations: reload_weights, release_memory, resume_memory,
@@ -55,6 +60,13 @@ class ServerDialect(abc.ABC):
     unsupported: ClassVar[dict[str, str]] = {}
     #: environment variables a server launched for this API needs (set unless the environment has them)
     launch_env: ClassVar[dict[str, str]] = {}
+    #: the paths that generate (paced by the calibration batch); every other call is a control operation
+    #: (reload, memory), paced by the server's start-up time
+    generate_paths: ClassVar[tuple[str, ...]] = ()
+    #: Prometheus gauges (on ``/metrics``) counting the requests the server is running now; the scenarios
+    #: read them to report whether concurrent requests were co-batched (never to judge)
+    running_gauges: ClassVar[tuple[str, ...]] = ()
+    pace: Pace | None = None
 
     @classmethod
     def missing(cls, operations: Sequence[str]) -> dict[str, str]:
@@ -74,8 +86,12 @@ class ServerDialect(abc.ABC):
         session.trust_env = False  # never through a proxy: the server is local
         return session
 
-    def with_deadline(self, deadline: Deadline) -> "ServerDialect":
-        return type(self)(self.base_url, deadline, self.max_request_s)
+    def with_deadline(self, deadline: Deadline | None, pace: Pace | None = None) -> "ServerDialect":
+        """A new client of the same server bounded by ``deadline`` (None: no scenario ceiling) and paced by
+        ``pace`` (None: this client's pace, if any)."""
+        client = type(self)(self.base_url, deadline, self.max_request_s)
+        client.pace = pace if pace is not None else self.pace
+        return client
 
     def close(self) -> None:
         self._http.close()
@@ -123,28 +139,77 @@ class ServerDialect(abc.ABC):
         except (AssertionError, DialectUnsupported, ValueError):
             pass
 
+    def running_requests(self) -> int | None:
+        """How many requests the server runs right now, from its ``/metrics`` (None: it reports no such gauge).
+        Not paced: a 2 s limit, any failure is None."""
+        if not self.running_gauges:
+            return None
+        try:
+            r = self._http.get(self.base_url + "/metrics", timeout=2.0)
+        except requests.RequestException:
+            return None
+        if r.status_code != 200:
+            return None
+        values: dict[str, float] = {}  # gauge -> its sum over label sets
+        for line in r.text.splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in self.running_gauges:
+                try:
+                    values[name] = values.get(name, 0.0) + float(line.rsplit(None, 1)[-1])
+                except ValueError:
+                    return None
+        first = next((g for g in self.running_gauges if g in values), None)  # the first one the server has
+        return None if first is None else int(values[first])
+
     # ------------------------------------------------------------------ HTTP
     def _unsupported(self, operation: str) -> DialectUnsupported:
         return DialectUnsupported(self.name, operation, self.unsupported.get(operation, "no endpoint for it"))
 
     def _timeout(self) -> float:
-        left = self.deadline.remaining() if self.deadline else self.max_request_s
-        return max(0.1, min(left, self.max_request_s))
+        ceiling = HTTP_CEILING_S if self.pace is not None else self.max_request_s
+        left = self.deadline.remaining() if self.deadline else ceiling
+        return max(0.1, min(left, ceiling))
+
+    def probe(self, limit_s: float) -> ProbeResult:
+        """Is the server alive and serving? Its health endpoint, then one 1-token greedy request of the
+        calibration's probe prompt, timed (each bounded by ``limit_s``, not paced: a probe never probes)."""
+        client = type(self)(self.base_url, None, limit_s)
+        try:
+            if not client.healthy():
+                return ProbeResult(False, None, f"{self.health_path} did not answer 200 within 2 s")
+            start = time.monotonic()
+            try:
+                client.generate([self.pace.calibration.probe_prompt if self.pace else "probe"], SamplingSpec(1))
+            except (AssertionError, DialectUnsupported) as exc:
+                return ProbeResult(True, None, f"a 1-token probe request did not complete: {str(exc)[:200]}")
+            return ProbeResult(True, time.monotonic() - start)
+        finally:
+            client.close()
 
     #: Methods retried once on a fresh connection when the pooled one turns out to be closed (RFC 9110 idempotent).
     IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
 
     def _call(self, method: str, path: str, **kwargs) -> requests.Response:
+        """One HTTP request, paced when the client has a pace (see the class docstring). Connections are pooled
+        (see :meth:`_send`)."""
+        if self.pace is None:
+            return self._send(method, path, **kwargs)
+        kind = "generate" if path in self.generate_paths else "control"
+        return self.pace.run(lambda: self._send(method, path, **kwargs), f"{method} {path}", kind, self.probe)
+
+    def _send(self, method: str, path: str, **kwargs) -> requests.Response:
         """One HTTP request. Connections are pooled (keep-alive), but never reused after an answer the server
         may close the connection behind (a 5xx, or ``Connection: close``): vLLM answers a failed
         ``/collective_rpc`` with 500 and closes that connection, and the next request sent on it would fail
         with a connection reset instead of reaching the server. An idempotent request whose pooled connection
         fails before any answer is retried once on a fresh connection."""
         for attempt in (1, 2):
+            timeout = self._timeout()
             try:
-                r = self._http.request(method, self.base_url + path, timeout=self._timeout(), **kwargs)
+                r = self._http.request(method, self.base_url + path, timeout=timeout, **kwargs)
             except requests.Timeout as exc:
-                raise AssertionError(f"{method} {path} timed out (request lost or server hung)") from exc
+                raise AssertionError(f"{method} {path} timed out after {timeout:.0f} s (a fixed limit, no "
+                                     f"calibrated pace: request lost, server hung or too slow)") from exc
             except requests.ConnectionError as exc:
                 self._reset_connections()
                 if attempt == 1 and method.upper() in self.IDEMPOTENT:

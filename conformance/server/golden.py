@@ -180,11 +180,13 @@ class GoldenResult:
     compared: int = 0           # tokens compared
     worst_ratio: float = 0.0    # max |logprob - golden| / bound over compared tokens
     notes: list[str] = field(default_factory=list)
+    observations: list[str] = field(default_factory=list)  # what the scenario saw and reports, not judged
 
     def add(self, other: "GoldenResult") -> None:
         self.compared += other.compared
         self.worst_ratio = max(self.worst_ratio, other.worst_ratio)
         self.notes += other.notes
+        self.observations += other.observations
 
 
 def near_ties(g, prompt: int, tp: int) -> list[tuple[int, int]]:

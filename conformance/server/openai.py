@@ -14,6 +14,8 @@ class OpenAIDialect(ServerDialect):
     """``/v1/completions`` with ``logprobs: 0`` (the chosen tokens' logprobs) and ``return_token_ids``."""
 
     name = "openai"
+    generate_paths = ("/v1/completions",)
+    running_gauges = ("vllm:num_requests_running", "sglang:num_running_reqs")  # whichever engine serves it
     health_path = "/v1/models"  # the OpenAI API has no health endpoint
     unsupported = {op: "the OpenAI API has no weight or memory endpoints" for op in
                    ("reload_weights", "release_memory", "resume_memory")} | {

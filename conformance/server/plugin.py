@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import os
+import time
 import warnings
 
 import pytest
@@ -29,7 +30,7 @@ from conformance.server.launcher import REFERENCE_TEMPLATE, ServerProcess, Serve
 from conformance.server.dialects import DIALECTS, ServerDialect, make_dialect
 from conformance.server.models import (DEFAULT_MODELS, SERVED_WEIGHTS, ModelCatalog, ModelError, ServedModel,
                                       remove_work_dir, work_dir)
-from conformance.server.scenarios import SCENARIOS, Scenario, fresh_outputs, run_scenario
+from conformance.server.scenarios import SCENARIOS, Scenario, calibrate, fresh_outputs, run_scenario
 
 ATTACHED = ServerConfig(1, device="attached", tier="cpu")
 SERVER_API_ENV = selection.OPTIONS["--server-api"].env
@@ -66,7 +67,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help="parallel configs, e.g. 'tp1,tp2,tp4-dp4-ep4' or 'cpu-tp2' (default: the reference "
                      "server's per-tier list; with --server-cmd: tp1 on CUDA)")
     g.addoption("--server-gpus", type=int, default=None, help="GPU count for the multi_gpu configs (default: detected)")
-    g.addoption("--server-timeout", type=float, default=None, help="time limit per scenario in seconds (default: the scenario's own, 120 unless it says otherwise)")
+    g.addoption("--server-timeout", type=float, default=None,
+                help="a fixed ceiling per scenario in seconds (default: none; each request is bounded by the "
+                     "server's own pace, measured after start-up, and a slow server is told from a lost request "
+                     "by probing it: docs/server.md 'Time limits')")
+    g.addoption("--server-batch-invariant", action="store_true", default=None,
+                help="the server under test promises batch invariance (e.g. vLLM with VLLM_BATCH_INVARIANT=1): "
+                     "concurrent requests must give the outputs they give alone, bit for bit (without it they "
+                     "are judged against the truth; explicit batches are compared bit for bit either way). "
+                     "Default: on for the reference server the suite starts itself, off otherwise")
     g.addoption("--server-start-timeout", type=float, default=START_TIMEOUT_S,
                 help=f"time limit for a server to become healthy, in seconds (default {START_TIMEOUT_S:g})")
     g.addoption("--truth-device", default=None, metavar="DEVICE",
@@ -225,6 +234,11 @@ class ServerPool:
         self._servers: dict[tuple[str, str], ServerProcess] = {}
         self._failed: dict[tuple[str, str], str] = {}
         self._fresh: dict[tuple[str, str], list] = {}
+        self._pace: dict[tuple[str, str], object] = {}  # (config id, model) -> the server's Pace
+        declared = config.getoption("--server-batch-invariant")
+        # the reference server is batch invariant by construction (fp64 per sequence, whatever the batch)
+        self.batch_invariant = bool(declared) if declared is not None else not (
+            config.getoption("--server-cmd") or self.url)
 
     def model(self, name: str) -> ServedModel:
         try:
@@ -246,7 +260,8 @@ class ServerPool:
             client = make_dialect(api, self.url)
             if key not in self._fresh:
                 self._fresh[key] = fresh_outputs(client)
-            return client
+                self._pace[key] = calibrate(client, None)
+            return client.with_deadline(None, self._pace[key])
         if key in self._failed:
             pytest.fail(f"server {key} failed to start earlier:\n{self._failed[key]}", pytrace=False)
         server = self._servers.get(key)
@@ -267,8 +282,12 @@ class ServerPool:
                 self._failed[key] = str(exc)
                 raise
             self._servers[key] = server
-            self._fresh[key] = fresh_outputs(make_dialect(self.api, server.url))
-        return make_dialect(api, server.url)
+            startup_s = time.monotonic() - server.started_at
+            first = make_dialect(self.api, server.url, max_request_s=self.start_timeout)  # before any pace
+            self._fresh[key] = fresh_outputs(first)
+            self._pace[key] = calibrate(first, startup_s)
+            first.close()
+        return make_dialect(api, server.url).with_deadline(None, self._pace[key])
 
     def _healthy(self, url: str) -> bool:
         """Healthy by every API of the session (an OpenAI API may list its model while the engine is dead)."""
@@ -296,7 +315,7 @@ class ServerPool:
         fresh = self._fresh.get((case.config.id, model.name))
         try:
             result = run_scenario(case.scenario, client, model, truths, baseline, case.config.tp, self.timeout,
-                                  fresh)
+                                  fresh, self.batch_invariant)
         except Exception as exc:
             report = self.died(case.config, model)
             if report is None:
@@ -306,6 +325,11 @@ class ServerPool:
             record_property("server_api", case.api)
             record_property("golden_tokens_compared", result.compared)
             record_property("bound_ratio", round(result.worst_ratio, 4))
+            pace = client.pace
+            if pace is not None:
+                record_property("server_pace", f"{pace.calibration.describe()}; slowest probe {pace.slowest:.1f}x")
+            for note in result.observations:
+                record_property("observation", note)
 
     def died(self, cfg: ServerConfig, model: ServedModel) -> str | None:
         """The exit code and log of the started server of ``cfg`` that exited mid-scenario, else None."""

@@ -13,6 +13,7 @@ within bounds derived from BF16 arithmetic (conformance/server/bounds.golden_bou
 from __future__ import annotations
 
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from typing import Callable
 import pytest
 
 from conformance.server.bounds import RELOAD_LOGPROB_TOL, tp_logprob_bound
+from conformance.interfaces.server_pace import Calibration, Pace
 from conformance.interfaces.server_types import Deadline, Generation
 from conformance.server.bf16_copies import verify_corrupt_copy
 from conformance.server.derive import verify_corrupt
@@ -34,19 +36,31 @@ SEEDED_SPEC = SamplingSpec(8, temperature=0.8, top_p=0.95, seed=1234)
 RELOAD = ("reload_weights",)
 RESTORE_TIMEOUT_S = 20.0  # after a failed scenario: bring the server back to serving, whatever the deadline left
 RELEASE_RESUME = ("reload_weights", "release_memory", "resume_memory")
+CONCURRENT_ROUNDS = 5  # batch_size_invariance: concurrent rounds for a server that promises invariance (see there)
 
 
 @dataclass
 class ScenarioContext:
     client: ServerDialect
     model: ServedModel
-    deadline: Deadline
+    deadline: Deadline | None  # the user's ceiling for the whole scenario (--server-timeout); None: paced only
     truths: dict[str, GoldenTruth]  # golden outputs of weight sets "a" and "b"
     baseline: ServerDialect | None = None  # a TP1 server of the same engine (tp_agreement only)
     tp: int = 1
     fresh: list[Generation] | None = None  # greedy outputs right after start-up, before any reload
     name: str = "scenario"
     golden: GoldenResult = field(default_factory=GoldenResult)
+    batch_invariant: bool = False  # the server promises batch invariance (--server-batch-invariant)
+
+    @property
+    def notes(self) -> list[str]:
+        """What the scenario observed (reported with its result, not judged)."""
+        return self.golden.observations
+
+    def wait(self, future):
+        """A future's result: bounded by the scenario's ceiling when there is one, else by the server's pace
+        (every request the future makes is paced)."""
+        return future.result(timeout=self.deadline.remaining() if self.deadline else None)
 
 
 # ----------------------------------------------------------------------------------------- helpers
@@ -94,6 +108,24 @@ def _start(ctx: ScenarioContext) -> list[Generation]:
 def fresh_outputs(client: ServerDialect) -> list[Generation]:
     """Greedy outputs of a server that has just started (weights loaded by start-up, not by a reload)."""
     return _greedy(client)
+
+
+#: an attached server's start-up is not seen: its reloads and memory commands are paced as if it had taken
+#: this long to start (loading a large checkpoint from disk), before any probing
+ATTACHED_STARTUP_S = 120.0
+
+
+def calibrate(client: ServerDialect, startup_s: float | None) -> Pace:
+    """The server's pace (conformance/interfaces/server_pace.py), measured once it has served its first
+    requests: one greedy batch of PROMPTS (the scenarios' largest but for one 2x batch) and one 1-token request,
+    each timed; ``startup_s`` (launch to healthy; None for an attached server) bounds control operations."""
+    start = time.monotonic()
+    _greedy(client)
+    generate_s = time.monotonic() - start
+    start = time.monotonic()
+    client.generate([PROMPTS[0]], SamplingSpec(1))
+    probe_s = time.monotonic() - start
+    return Pace(Calibration(generate_s, probe_s, ATTACHED_STARTUP_S if startup_s is None else startup_s, PROMPTS[0]))
 
 
 def _greedy(client: ServerDialect, prompts=PROMPTS) -> list[Generation]:
@@ -201,13 +233,13 @@ def generate_during_reload(ctx: ScenarioContext) -> None:
         reload = pool.submit(ctx.client.reload_weights, ctx.model.b)
         time.sleep(0.05)
         during = [pool.submit(one, it) for it in singles]
-        result = reload.result(timeout=ctx.deadline.remaining())
+        result = ctx.wait(reload)
         assert result.success, f"generate_during_reload: the reload failed: {result.message}"
         late = [pool.submit(one, it) for it in singles[: len(PROMPTS)]]
         results = []
         for wave, futures in (("before", early), ("during", during), ("after", late)):
             for n, f in enumerate(futures):
-                i, g = f.result(timeout=ctx.deadline.remaining())
+                i, g = ctx.wait(f)
                 results.append((wave, n, i, g))
     for wave, n, i, g in results:
         tag = f"generate_during_reload: request {n} sent {wave} the reload (prompt {PROMPTS[i]!r})"
@@ -253,16 +285,92 @@ def repeated_requests_deterministic(ctx: ScenarioContext) -> None:
 
 
 def batch_size_invariance(ctx: ScenarioContext) -> None:
-    """A prompt's tokens and logprobs do not depend on what it is batched with: alone, in one batched
-    request, and among concurrent requests. Not every engine promises this (marker batch_invariance)."""
-    batched = _start(ctx)
+    """A prompt's tokens and logprobs do not depend on what it is batched with. Not every engine promises this
+    (marker batch_invariance: deselect it with ``-m "not batch_invariance"``).
+
+    What is compared is chosen here, not by the server's scheduler, so the verdict is the same on every run:
+    each prompt alone vs *explicit* batches (one request carrying several prompts: in order, reversed, and every
+    prompt twice), bit for bit. Concurrent single-prompt requests are then sent together; whether the server
+    co-batched them depends on its scheduler and timing, so it is observed (the server's running-request
+    gauge, where it has one) and reported, not relied on. A server that promises batch invariance
+    (``--server-batch-invariant``; the reference server does) must give the alone outputs bit for bit there
+    too; any other server's concurrent outputs are judged against the truth like every generation."""
+    in_order = _start(ctx)
     alone = [ctx.client.generate([p], GREEDY_SPEC)[0] for p in PROMPTS]
-    _assert_same(alone, batched, "batch_size_invariance (alone vs one batched request)", None)
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        futures = [pool.submit(ctx.client.generate, [p], GREEDY_SPEC) for p in PROMPTS * 2]
-        concurrent = [f.result(timeout=ctx.deadline.remaining())[0] for f in futures]
-    _assert_same(alone, concurrent[: len(PROMPTS)], "batch_size_invariance (alone vs concurrent)", None)
-    _assert_same(alone, concurrent[len(PROMPTS):], "batch_size_invariance (alone vs concurrent, 2nd copy)", None)
+    _assert_same(alone, in_order, "batch_size_invariance (alone vs one batched request)", None)
+    reverse = ctx.client.generate(list(PROMPTS[::-1]), GREEDY_SPEC)[::-1]
+    _assert_same(alone, reverse, "batch_size_invariance (alone vs one batched request, prompts reversed)", None)
+    twice = ctx.client.generate(list(PROMPTS) * 2, GREEDY_SPEC)
+    _assert_same(alone, twice[: len(PROMPTS)], "batch_size_invariance (alone vs one batch of every prompt twice)", None)
+    _assert_same(alone, twice[len(PROMPTS):], "batch_size_invariance (alone vs one batch of every prompt twice, "
+                                              "2nd copy)", None)
+    # A server that promises invariance gets up to CONCURRENT_ROUNDS rounds, until its gauge shows that it
+    # co-batched (all of them where it has no gauge): the comparison then covers co-batched forwards on every run
+    # where the scheduler co-batches at all, not only when it happened to in one round
+    for round_ in range(CONCURRENT_ROUNDS if ctx.batch_invariant else 1):
+        with RunningGauge(ctx.client) as gauge, ThreadPoolExecutor(max_workers=2 * len(PROMPTS)) as pool:
+            futures = [pool.submit(ctx.client.generate, [p], GREEDY_SPEC) for p in PROMPTS * 2]
+            concurrent = [f.result()[0] for f in futures]  # each request is bounded by the server's pace
+        seen = gauge.describe()
+        ctx.notes.append(f"batch_size_invariance: round {round_ + 1}, {2 * len(PROMPTS)} concurrent requests: {seen}")
+        for k, half in enumerate((concurrent[: len(PROMPTS)], concurrent[len(PROMPTS):])):
+            what = f"concurrent{', 2nd copy' if k else ''}, round {round_ + 1}"
+            if ctx.batch_invariant:
+                _assert_same(alone, half, f"batch_size_invariance (alone vs {what}; the server promises batch "
+                                          f"invariance; {seen})", None)
+            else:
+                check_golden(ctx, half, "a", f"batch_size_invariance: {what} ({seen}; bit-for-bit agreement with "
+                                             f"alone not asked: the server does not promise batch invariance, "
+                                             f"--server-batch-invariant)")
+        if gauge.cobatched:
+            break
+
+
+class RunningGauge:
+    """Polls the server's running-request gauge (``ServerDialect.running_requests``) while concurrent requests
+    are in flight: the largest value seen says whether the server co-batched them. Only reported."""
+
+    POLL_S = 0.05
+
+    def __init__(self, client: ServerDialect):
+        self.client = type(client)(client.base_url, None, 2.0)  # not paced: the gauge is read at once
+        self.peak: int | None = None
+        self.available = True
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="running-gauge", daemon=True)
+
+    def __enter__(self) -> "RunningGauge":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.client.close()
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            try:
+                n = self.client.running_requests()
+            except AssertionError:
+                n = None
+            if n is None:
+                self.available = False
+                return
+            self.peak = n if self.peak is None else max(self.peak, n)
+            self._stop.wait(self.POLL_S)
+
+    @property
+    def cobatched(self) -> bool | None:
+        """Whether the server ran two or more of the requests at once (None: it has no gauge to tell)."""
+        return None if not self.available or self.peak is None else self.peak > 1
+
+    def describe(self) -> str:
+        if not self.available or self.peak is None:
+            return f"whether the server co-batched them is unknown (the {self.client.name} API reports no running-request gauge)"
+        if self.peak > 1:
+            return f"the server co-batched them (up to {self.peak} requests running at once)"
+        return "the server ran them one at a time (its running-request gauge never exceeded 1)"
 
 
 def tp_agreement(ctx: ScenarioContext) -> None:
@@ -341,20 +449,29 @@ SCENARIOS_BY_ID = {s.id: s for s in SCENARIOS}
 
 def run_scenario(scenario: Scenario, client: ServerDialect, model: ServedModel, truths: dict[str, GoldenTruth],
                  baseline: ServerDialect | None = None, tp: int = 1, timeout_s: float | None = None,
-                 fresh: list[Generation] | None = None) -> GoldenResult:
+                 fresh: list[Generation] | None = None, batch_invariant: bool = False) -> GoldenResult:
     """Run one scenario; returns what its golden comparisons covered. A scenario needing an operation the
     dialect lacks is skipped with the dialect's reason before any request; one that could compare no token
-    with the golden outputs (every prompt stopped by a routing near-tie) is skipped, with the reason."""
+    with the golden outputs (every prompt stopped by a routing near-tie) is skipped, with the reason.
+
+    Time: a client with a pace (the pool calibrates every server it starts or attaches to) bounds each request
+    from the server's own speed and tells a slow server from a lost request; the whole scenario then has no
+    fixed limit unless ``timeout_s`` (``--server-timeout``) sets one. A client without a pace falls back to the
+    scenario's fixed ``timeout_s``."""
     reason = scenario.skip_reason(client)
     if reason:
         pytest.skip(reason)
-    deadline = Deadline(timeout_s or scenario.timeout_s, f"scenario {scenario.id}")
+    paced = client.pace is not None
+    deadline = (Deadline(timeout_s, f"scenario {scenario.id} (--server-timeout)") if timeout_s
+                else None if paced else Deadline(scenario.timeout_s, f"scenario {scenario.id}"))
     ctx = ScenarioContext(client.with_deadline(deadline), model, deadline, truths,
-                          baseline.with_deadline(deadline) if baseline else None, tp, fresh, scenario.id)
+                          baseline.with_deadline(deadline) if baseline else None, tp, fresh, scenario.id,
+                          batch_invariant=batch_invariant)
     try:
         scenario.run(ctx)
     except Exception:
-        recovery = client.with_deadline(Deadline(RESTORE_TIMEOUT_S, f"restoring the server after {scenario.id}"))
+        recovery = client.with_deadline(Deadline(RESTORE_TIMEOUT_S * (client.pace.slowest if paced else 1.0),
+                                                 f"restoring the server after {scenario.id}"))
         recovery.restore_serving()
         recovery.close()
         raise

@@ -63,6 +63,7 @@ class Scheduler:
         self._jobs: collections.deque[_Job] = collections.deque()
         self._cv = threading.Condition()
         self._stop = False
+        self.running = 0  # generate requests in the batch now running (the /metrics gauge)
         self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
         self._thread.start()
 
@@ -103,7 +104,11 @@ class Scheduler:
 
     def run_batch(self, batch: list[_Job]) -> None:
         if batch[0].kind == "generate":
-            self.run_generate(batch)
+            self.running = len(batch)
+            try:
+                self.run_generate(batch)
+            finally:
+                self.running = 0
             return
         job = batch[0]
         job.resolve(self.command((job.kind, job.arg)))
@@ -162,6 +167,15 @@ def create_app(scheduler: Scheduler, tokenizer, server_info: dict) -> FastAPI:
     @app.get("/health_generate")
     async def health():
         return PlainTextResponse("")
+
+    @app.get("/metrics")
+    async def metrics():
+        # the running-request gauges of the engines whose APIs this server speaks (Prometheus text format)
+        running, waiting = scheduler.running, len(scheduler.pending_generate_jobs())
+        return PlainTextResponse("".join(
+            f"# TYPE {name} gauge\n{name} {value}\n" for name, value in (
+                ("vllm:num_requests_running", running), ("vllm:num_requests_waiting", waiting),
+                ("sglang:num_running_reqs", running), ("sglang:num_queue_reqs", waiting))))
 
     @app.get("/get_model_info")
     @app.get("/model_info")

@@ -10,6 +10,8 @@ from conformance.interfaces.server_types import Generation
 
 class SGLangDialect(ServerDialect):
     name = "sglang"
+    generate_paths = ("/generate",)
+    running_gauges = ("sglang:num_running_reqs",)  # with --enable-metrics
 
     def model_path(self) -> str:
         return str(self._json(self._ok(self._call("GET", "/get_model_info"), "/get_model_info"),

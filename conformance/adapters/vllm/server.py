@@ -25,6 +25,7 @@ class VLLMDialect(OpenAIDialect):
     a whole, so only releasing everything is possible."""
 
     name = "vllm"
+    running_gauges = ("vllm:num_requests_running",)
     health_path = "/health"
     unsupported = {}
     launch_env = {"VLLM_SERVER_DEV_MODE": "1"}  # vLLM serves its weight and memory endpoints only in dev mode
