@@ -231,6 +231,17 @@ def check_tensors(tensors: dict[str, torch.Tensor], specs: list[TensorSpec], sou
             v = t.float()
             if not bool(torch.isfinite(v).all()) or not bool((v > 0).all()):
                 raise CheckpointError(f"{source}: tensor {spec.name!r} must be finite and positive, got {v.flatten()[:4].tolist()}")
+        elif spec.name.endswith(".weight_scale") and t.dtype == torch.float8_e4m3fn:
+            # E4M3 block scales: NaN (bytes 0x7f, 0xff) or negative ones are never written by an exporter (a
+            # block's scale is its amax / 6 >= 0); served, a NaN scale turns its block's outputs into NaN
+            v = t.float()
+            bad = ~torch.isfinite(v) | (v < 0)
+            if bool(bad.any()):
+                where = tuple(int(i) for i in bad.nonzero()[0])
+                byte = int(t.view(torch.uint8)[where])
+                raise CheckpointError(f"{source}: tensor {spec.name!r} holds {int(bad.sum())} block scale(s) that are "
+                                      f"NaN or negative (first at index {list(where)}: byte 0x{byte:02x} = "
+                                      f"{float(v[where])}); an E4M3 block scale must be finite and >= 0")
 
 
 @dataclass

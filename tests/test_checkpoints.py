@@ -188,6 +188,11 @@ MALFORMED = [
     Malformed("wrong-dtype", "dtype:model.layers.0.self_attn.q_proj.weight_scale", r"'model\.layers\.0\.self_attn\.q_proj\.weight_scale' has dtype torch\.float32, expected torch\.float8_e4m3fn"),
     Malformed("wrong-shape", "shape:model.layers.0.mlp.up_proj.weight", r"'model\.layers\.0\.mlp\.up_proj\.weight' has shape \(511, 128\), expected \(512, 128\)"),
     Malformed("bad-global-scale", "zero:model.layers.0.mlp.up_proj.weight_scale_2", r"'model\.layers\.0\.mlp\.up_proj\.weight_scale_2' must be finite and positive"),
+    # E4M3 block scales (issue 37): E4M3FN has no infinity; its non-finite codes are NaN (0x7f, 0xff)
+    Malformed("nan-block-scale", "byte:model.layers.1.mlp.down_proj.weight_scale:0x7f", r"'model\.layers\.1\.mlp\.down_proj\.weight_scale' holds 1 block scale\(s\) that are NaN or negative \(first at index \[\d+, \d+\]: byte 0x7f"),
+    Malformed("nan-block-scale-ff", "byte:model.layers.0.self_attn.q_proj.weight_scale:0xff", r"'model\.layers\.0\.self_attn\.q_proj\.weight_scale' holds 1 block scale\(s\) that are NaN or negative .*byte 0xff"),
+    Malformed("negative-block-scale", "byte:model.layers.0.mlp.gate_proj.weight_scale:0xb8", r"'model\.layers\.0\.mlp\.gate_proj\.weight_scale' holds 1 block scale\(s\) that are NaN or negative .*byte 0xb8 = -1\.0"),
+    Malformed("inf-global-scale", "inf:model.layers.0.mlp.up_proj.weight_scale_2", r"'model\.layers\.0\.mlp\.up_proj\.weight_scale_2' must be finite and positive, got \[inf\]"),
     Malformed("bad-algo", "algo:FP4_MAGIC", r"quant_algo 'FP4_MAGIC' is not one of"),
     Malformed("bad-group-size", "group:32", r"group_size 32 is not 16"),
     Malformed("no-quant-config", "noquant", r"no hf_quant_config\.json and no quantization_config"),
@@ -201,9 +206,16 @@ def _apply(path, edit):
 
     kind, _, arg = edit.partition(":")
     st = path / "model.safetensors"
-    if kind in ("drop", "dtype", "shape", "zero"):
+    if kind in ("drop", "dtype", "shape", "zero", "byte", "inf"):
         t = load_file(str(st))
-        if kind == "drop":
+        if kind == "byte":  # one block scale (the middle one) set to the given E4M3 byte
+            arg, _, byte = arg.partition(":")
+            codes = t[arg].clone().view(torch.uint8)
+            codes.view(-1)[codes.numel() // 2] = int(byte, 16)
+            t[arg] = codes.view(torch.float8_e4m3fn)
+        elif kind == "inf":
+            t[arg] = torch.full_like(t[arg], float("inf"))
+        elif kind == "drop":
             del t[arg]
         elif kind == "dtype":
             t[arg] = t[arg].float()
@@ -340,3 +352,17 @@ def test_reload_with_another_tensor_set_is_refused(ckpt_root, tmp_path):
     engine = Engine(str(src), Layout(), Comm())
     with pytest.raises(EngineError, match="different set of tensors"):
         engine.stage_weights(str(tmp_path / "folded"))
+
+
+def test_zero_and_negative_zero_block_scales_are_accepted(ckpt_root, tmp_path):
+    """A block of zero weights has scale 0 (exporters write 0x00; -0 is the same value): not damage."""
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(ckpt_root / checkpoint_name("dense", "NVFP4_AWQ", "a"), path)
+    t = load_file(str(path / "model.safetensors"))
+    codes = t["model.layers.0.mlp.up_proj.weight_scale"].clone().view(torch.uint8)
+    codes.view(-1)[:2] = torch.tensor([0x00, 0x80], dtype=torch.uint8)
+    t["model.layers.0.mlp.up_proj.weight_scale"] = codes.view(torch.float8_e4m3fn)
+    save_file(t, str(path / "model.safetensors"))
+    validate_checkpoint(load_checkpoint(path))

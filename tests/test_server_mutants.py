@@ -74,6 +74,15 @@ CASES = [
                "reload_different_weights", True, rf"reload_different_weights: after reloading b {GOLDEN} 'b'"),
     MutantCase("attention-stale-after-reload-moe", "reload_leaves_attention_stale", "moe-w4a16_nvfp4",
                "reload_different_weights", True, rf"reload_different_weights: after reloading b {GOLDEN} 'b'"),
+    # issue 37: a loader blind to damaged block scales reports success (what it serves is not judged: the
+    # scenario stops at the reported success); its checks of shapes and dtypes still refuse those classes
+    MutantCase("accepts-nan-block-scale", "accepts_damaged_block_scales", "dense-nvfp4_awq",
+               "failed_reload_nan_block_scale", True, r"failed_reload_nan_block_scale: reload_weights\(.*\) reported success"),
+    MutantCase("accepts-negative-block-scale-moe", "accepts_damaged_block_scales", "moe-w4a16_nvfp4",
+               "failed_reload_negative_block_scale", True,
+               r"failed_reload_negative_block_scale: reload_weights\(.*\) reported success"),
+    MutantCase("damaged-scales-blind-still-refuses-wrong-shape", "accepts_damaged_block_scales", "dense-nvfp4_awq",
+               "failed_reload_wrong_shape", False),
     MutantCase("async-weight-swap", "async_weight_swap", "dense-nvfp4_awq", "generate_during_reload", True,
                r"generate_during_reload: request \d+ sent after the reload .* is neither weight set's golden output"),
     # accepted

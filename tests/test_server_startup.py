@@ -42,3 +42,25 @@ def test_broken_http_stack_fails_fast(tmp_path, device, tp, module, record_prope
     assert elapsed < LIMIT_S, f"the launcher took {elapsed:.1f} s to report the failure:\n{message}"
     assert "during start-up" in message and "exited with code 0 " not in message, message
     assert "Traceback" in message and f"ImportError: deliberately broken {module}" in message, message
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("corruption", ["nan_block_scale", "negative_block_scale", "truncated_file"])
+def test_damaged_checkpoint_at_start_up_exits_naming_it(tmp_path, corruption):
+    """A server started on a checkpoint with a damaged block scale or a cut file exits at once, saying which
+    tensor (or file) is damaged: it never serves garbage (issue 37)."""
+    from conformance.server.corruptions import CORRUPTIONS_BY_ID, corrupt_checkpoint
+
+    model = ModelCatalog([], None, [], None).served("dense-nvfp4_awq")
+    path, tensor = corrupt_checkpoint(CORRUPTIONS_BY_ID[corruption], model.a, tmp_path / "work", model.corrupt_tensor)
+    start = time.monotonic()
+    with pytest.raises(ServerStartError) as failure:
+        ServerProcess(REFERENCE_TEMPLATE, 120.0, model_path=path, tokenizer_path=model.tokenizer, tp=1, dp=1, ep=1,
+                      device="cpu")
+    message = str(failure.value)
+    assert time.monotonic() - start < LIMIT_S, message
+    assert "during start-up" in message, message
+    if corruption == "truncated_file":
+        assert "cannot read safetensors file" in message, message
+    else:
+        assert f"tensor {tensor!r} holds 1 block scale(s) that are NaN or negative" in message, message

@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import atexit
 import fcntl
 import json
 import os
@@ -138,6 +139,7 @@ def work_dir() -> Path:
     if not path:
         path = tempfile.mkdtemp(prefix="nvfp4-server-suite-")
         os.environ[WORK_DIR_ENV] = path
+        atexit.register(shutil.rmtree, path, True)  # made here: removed at exit whoever else removes it first
     Path(path).mkdir(parents=True, exist_ok=True)
     return Path(path)
 

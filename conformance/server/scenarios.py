@@ -24,11 +24,12 @@ import pytest
 from conformance.server.bounds import RELOAD_LOGPROB_TOL, tp_logprob_bound
 from conformance.interfaces.server_pace import Calibration, Pace
 from conformance.interfaces.server_types import Deadline, Generation
-from conformance.server.bf16_copies import verify_corrupt_copy
+from conformance.server.bf16_copies import copy_tensor_name, verify_corrupt_copy
+from conformance.server.corruptions import CORRUPTIONS, CORRUPTIONS_BY_ID, corrupt_checkpoint, verify
 from conformance.server.derive import verify_corrupt
 from conformance.server.dialects import ServerDialect, SamplingSpec
 from conformance.server.golden import GREEDY, PROMPTS, GoldenResult, GoldenTruth, compare_sampled_with_reference, compare_with_golden
-from conformance.server.models import ServedModel
+from conformance.server.models import ServedModel, work_dir
 
 
 GREEDY_SPEC = SamplingSpec(GREEDY["max_new_tokens"], GREEDY["temperature"], ignore_eos=GREEDY["ignore_eos"])
@@ -213,6 +214,32 @@ def failed_reload_corrupt_checkpoint(ctx: ScenarioContext) -> None:
         raise AssertionError(f"failed_reload_corrupt_checkpoint: the corrupt checkpoint is not broken as intended, "
                              f"so the scenario would test nothing: {exc}") from exc
     _failed_reload(ctx, ctx.model.corrupt, "failed_reload_corrupt_checkpoint")
+
+
+def _failed_reload_damaged(corruption_id: str) -> Callable[[ScenarioContext], None]:
+    """The failed-reload scenario of one class of damage (conformance/server/corruptions.py)."""
+    corruption = CORRUPTIONS_BY_ID[corruption_id]
+    name = f"failed_reload_{corruption_id}"
+
+    def scenario(ctx: ScenarioContext) -> None:
+        bf16 = ctx.model.original is not None
+        reason = corruption.exists_for("bf16" if bf16 else "nvfp4")
+        if reason:
+            pytest.skip(f"{name}: skipped for BF16 copies: {reason}")
+        tensor = copy_tensor_name(ctx.model.truth_model.corrupt_tensor) if bf16 else ctx.model.corrupt_tensor
+        work = work_dir() / f"damaged-{ctx.model.name}-{'bf16' if bf16 else 'nvfp4'}"
+        path, tensor = corrupt_checkpoint(corruption, ctx.model.b, work, tensor, bf16)
+        try:
+            verify(corruption, ctx.model.b, path, tensor, bf16)
+        except AssertionError as exc:
+            raise AssertionError(f"{name}: the damaged checkpoint is not damaged as intended, so the scenario would "
+                                 f"test nothing: {exc}") from exc
+        _failed_reload(ctx, path, name)
+
+    scenario.__name__ = name
+    scenario.__doc__ = (f"Weight set b with {corruption.what} ({corruption_id}; verified first): the reload must "
+                        f"fail with a message and the old weights keep serving bit for bit.")
+    return scenario
 
 
 def generate_during_reload(ctx: ScenarioContext) -> None:
@@ -439,6 +466,8 @@ SCENARIOS = (
     Scenario("reload_different_weights", reload_different_weights, needs=RELOAD),
     Scenario("failed_reload_missing_path", failed_reload_missing_path, needs=RELOAD),
     Scenario("failed_reload_corrupt_checkpoint", failed_reload_corrupt_checkpoint, needs=RELOAD),
+    *(Scenario(f"failed_reload_{c.id}", _failed_reload_damaged(c.id), needs=RELOAD)
+      for c in CORRUPTIONS if c.id != "corrupt_checkpoint"),
     Scenario("generate_during_reload", generate_during_reload, needs=RELOAD),
     Scenario("repeated_requests_deterministic", repeated_requests_deterministic),
     Scenario("batch_size_invariance", batch_size_invariance, marks=("batch_invariance",)),

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from . import native_api, openai_api, vllm_api
 from .api_common import MAX_BATCH, MAX_BODY_BYTES, BadRequest
 from .engine import MEMORY_TAGS
+from .guard import RequestGuard, internal_error
 from .outputs import Detokenizer
 
 
@@ -146,13 +147,6 @@ def create_app(scheduler: Scheduler, tokenizer, server_info: dict) -> FastAPI:
     engine = scheduler.rt.engine
     cfg = engine.cfg
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-            return JSONResponse({"error": f"request body over {MAX_BODY_BYTES} bytes"}, status_code=413)
-        return await call_next(request)
-
     @app.exception_handler(BadRequest)
     async def bad_request(_request, exc: BadRequest):
         return JSONResponse({"error": str(exc)}, status_code=exc.status)
@@ -221,4 +215,7 @@ def create_app(scheduler: Scheduler, tokenizer, server_info: dict) -> FastAPI:
     native_api.register(app, scheduler, detok, cfg)  # POST /generate
     openai_api.register(app, scheduler, detok, server_info)  # /v1/models, /v1/completions
     vllm_api.register(app, scheduler, server_info)  # vLLM's sleep / wake-up / reload endpoints
+    # outermost: the byte limit on what is read, Unicode, nesting and array bounds (reference_impl/server/guard.py)
+    app.add_middleware(RequestGuard, max_bytes=MAX_BODY_BYTES)
+    app.add_exception_handler(Exception, internal_error)
     return app

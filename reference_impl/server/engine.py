@@ -12,6 +12,8 @@ from ..checkpoint import load_checkpoint
 from ..model import Comm, Layout, ModelConfig, TinyModel, shard_weights, validate_checkpoint
 from .logprobs import InputLogprobs, LogprobRequest, Pairs, position_extras, score_prompt
 
+SAMPLING_EPS = 1e-6  # SGLang's rule, applied to every API: a temperature below this is greedy
+
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
@@ -137,8 +139,8 @@ class Engine:
 
     # ------------------------------------------------------------------ generation
     def _choose(self, logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-        if p.temperature <= 0 or p.top_k == 1:
-            return int(torch.argmax(logits))
+        if p.temperature < SAMPLING_EPS or p.top_k == 1:  # one rule for every API (a tiny temperature would
+            return int(torch.argmax(logits))               # overflow logits / temperature to inf)
         probs = torch.softmax(logits / p.temperature, dim=-1)
         if p.top_k > 0:
             kth = torch.topk(probs, min(p.top_k, probs.numel())).values[-1]
@@ -146,6 +148,7 @@ class Engine:
         if p.top_p < 1.0:
             sorted_p, order = torch.sort(probs, descending=True)
             keep = (sorted_p.cumsum(0) - sorted_p) < p.top_p * sorted_p.sum()
+            keep[0] = True  # the most likely token always stays (a top_p too small to keep any, e.g. 5e-324)
             mask = torch.zeros_like(probs, dtype=torch.bool)
             mask[order[keep]] = True
             probs = torch.where(mask, probs, torch.zeros_like(probs))

@@ -9,6 +9,7 @@ fields SGLang treats that way (its ``SamplingParams.__post_init__``).
 """
 from __future__ import annotations
 
+import asyncio
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -17,11 +18,12 @@ from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .api_common import MAX_BATCH, MAX_NEW_TOKENS, MAX_STOP_STRINGS, BadRequest, check_prompt, run_generate
-from .engine import GenerateRequest, SamplingParams
+from .engine import SAMPLING_EPS, GenerateRequest, SamplingParams
+
+MAX_TOKEN_IDS_LOGPROB = 256  # named token ids per prompt: 20,000 made a 4.7 MB answer for 8 tokens
 from .logprobs import LogprobRequest
 from .outputs import Completion, Detokenizer, TextOptions, compile_stop_regex
 
-SAMPLING_EPS = 1e-6  # SGLang: a temperature below this is greedy
 
 # Fields whose null SGLang replaces by the default (SamplingParams.__post_init__).
 NULL_MEANS_DEFAULT = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
@@ -170,6 +172,9 @@ def normalise(body: NativeGenerateIn, detok: Detokenizer, cfg) -> tuple[list[Nat
         check_prompt(seq, cfg.vocab_size, max_len, max_new)
         if p.min_new_tokens > max_new:
             raise BadRequest(f"min_new_tokens must be in [0, max_new_tokens({max_new})], got {p.min_new_tokens}")
+        if ids_lp is not None and len(ids_lp) > MAX_TOKEN_IDS_LOGPROB:
+            raise BadRequest(f"token_ids_logprob: at most {MAX_TOKEN_IDS_LOGPROB} token ids per prompt, got "
+                             f"{len(ids_lp)} (each costs one logprob per position in the answer)")
         for name, tokens in (("stop_token_ids", p.stop_token_ids or ()), ("token_ids_logprob", ids_lp or ())):
             bad = [t for t in tokens if not 0 <= t < cfg.vocab_size]
             if bad:
@@ -221,11 +226,13 @@ def register(app: FastAPI, scheduler, detok: Detokenizer, cfg) -> None:
     @app.post("/generate")
     async def generate(body: NativeGenerateIn):
         prompts, batched = normalise(body, detok, cfg)
+        rids = _per_prompt(body.rid, len(prompts), "rid")  # checked before generating, not after
         results = await run_generate(scheduler, [p.request for p in prompts])
-        rids = _per_prompt(body.rid, len(prompts), "rid")
+        # stop strings and regexes are matched off the event loop (a slow pattern never delays other requests)
+        finished = await asyncio.to_thread(lambda: [detok.finish(r, p.text_options) for r, p in zip(results, prompts)])
         responses = []
-        for res, prompt, rid in zip(results, prompts, rids):
-            req, c = prompt.request, detok.finish(res, prompt.text_options)
+        for c, prompt, rid in zip(finished, prompts, rids):
+            req = prompt.request
             meta = {"id": rid or uuid.uuid4().hex, "finish_reason": c.finish_reason,
                     "prompt_tokens": len(req.input_ids), "completion_tokens": len(c.output_ids),
                     "cached_tokens": 0, "weight_version": str(engine.weight_version)}

@@ -16,6 +16,8 @@ vllm/entrypoints/serve/engine/protocol.py) with SGLang 0.5.23's extras
 """
 from __future__ import annotations
 
+import asyncio
+
 import time
 import uuid
 
@@ -220,9 +222,10 @@ def register(app: FastAPI, scheduler, detok: Detokenizer, server_info: dict) -> 
                                   status=404, param="model")
             requests, options, prompt_texts = build_requests(body, detok, cfg)
             results = await run_generate(scheduler, requests)
+            # stop strings are matched off the event loop (a slow pattern never delays other requests)
+            finished = await asyncio.to_thread(lambda: [detok.finish(res, options) for res in results])
         except BadRequest as exc:
             return error_response(exc)
-        finished = [detok.finish(res, options) for res in results]
         choices = [_choice(i, c, req, body, text, detok, cfg.eos_token_id)
                    for i, (c, req, text) in enumerate(zip(finished, requests, prompt_texts))]
         prompt_tokens = sum(len(r.input_ids) for r in requests)

@@ -12,14 +12,19 @@ every generated token up to and including the match.
 from __future__ import annotations
 
 import json
-import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import regex  # the `re` syntax, with a timeout that interrupts catastrophic backtracking and no GIL held
 
 from .api_common import BadRequest
 from .engine import GenerateResult
 from .logprobs import InputLogprobs, Pairs
 
+#: the time all of a request's stop-regex searches may take together: a pattern that still backtracks
+#: catastrophically under `regex` ("(.*){1,32000}[QX]") fails the request with a 400 instead of holding the server
+STOP_REGEX_BUDGET_S = 1.0
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 
@@ -108,13 +113,14 @@ class Detokenizer:
         """(tokens kept, matched stop) at the first token whose text completes a stop string or regex."""
         if not opts.stop and not opts.stop_regex:
             return None
+        deadline = time.monotonic() + STOP_REGEX_BUDGET_S
         for n in range(1, len(ids) + 1):
             text = self.decode(ids[:n], skip_special_tokens=False)  # SGLang's Req.tail_str decodes everything
             for stop in opts.stop:
                 if stop and stop in text:
                     return n, stop
             for pattern in opts.stop_regex:
-                if re.search(pattern, text):
+                if _search(pattern, text, deadline):
                     return n, pattern
         return None
 
@@ -128,19 +134,28 @@ class Detokenizer:
                 pos = text.find(matched)
                 span = (pos, pos + len(matched)) if pos >= 0 else None
             else:  # a stop regex: cut at its match (SGLang 0.5.23 only cuts where the pattern text appears)
-                m = re.search(matched, text)
+                m = _search(matched, text, time.monotonic() + STOP_REGEX_BUDGET_S)
                 span = m.span() if m else None
             if span is not None:
                 text = text[: span[1]] if opts.no_stop_trim else text[: span[0]]
         return text
 
 
+def _search(pattern: str, text: str, deadline: float):
+    """``regex.search`` bounded by ``deadline`` (monotonic); past it, a 400 naming the pattern."""
+    try:
+        return regex.search(pattern, text, timeout=max(deadline - time.monotonic(), 1e-3), concurrent=True)
+    except TimeoutError as exc:
+        raise BadRequest(f"stop_regex {pattern!r}: its evaluation took over {STOP_REGEX_BUDGET_S:g} s (catastrophic "
+                         f"backtracking, e.g. a nested quantifier); rewrite the pattern") from exc
+
+
 def compile_stop_regex(patterns: tuple[str, ...]) -> None:
     """Reject a malformed or oversized pattern up front (SGLang: MAX_STOP_REGEX_LEN = 256 bytes)."""
     for p in patterns:
-        if len(p.encode()) > 256:
+        if len(p.encode("utf-8", "surrogatepass")) > 256:
             raise BadRequest(f"stop_regex {p!r} is over the 256-byte limit")
         try:
-            re.compile(p)
-        except re.error as exc:
+            regex.compile(p)
+        except regex.error as exc:
             raise BadRequest(f"invalid stop_regex {p!r}: {exc}") from exc

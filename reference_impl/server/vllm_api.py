@@ -146,6 +146,11 @@ def register(app: FastAPI, scheduler, server_info: dict) -> None:
             return vllm_error(f"method {method!r} is not available on the reference server; supported: "
                               f"{list(RPC_METHODS)}", param="method")
         kwargs, args = body.get("kwargs") or {}, body.get("args") or []
+        if not isinstance(kwargs, dict):
+            return vllm_error(f"kwargs must be a JSON object of keyword arguments, got {type(kwargs).__name__} "
+                              f"{str(kwargs)[:80]}", param="kwargs")
+        if not isinstance(args, list):
+            return vllm_error(f"args must be a JSON array, got {type(args).__name__}", param="args")
         extra = sorted(set(kwargs) - {"weights_path", "is_checkpoint_format"})
         if args or extra or kwargs.get("is_checkpoint_format", True) is not True:
             return vllm_error("reload_weights on the reference server takes kwargs weights_path (a checkpoint "
