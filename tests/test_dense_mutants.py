@@ -19,7 +19,8 @@ from conformance.dense.checks import (
 )
 from conformance.dense.cases import CPU_CASES
 from conformance.dense.diagnosis import PATTERNS, RULES, diagnose_dense_cases, diagnose_run
-from tests.mutants.dense import MUTANTS, VARIANTS, NibbleSwapped, pattern_probe_cases
+from tests.mutants.dense import (MUTANTS, VARIANTS, GlobalScaleDoubled, GlobalScaleDropped, NibbleSwapped,
+                                 pattern_probe_cases)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -156,3 +157,42 @@ def test_diagnosis_is_appended_to_the_failure_message():
     assert text.startswith("W4A16 output outside the derived error bound")
     assert "likely cause [nibble_swapped]: the output matches the checkpoint read with the two E2M1 codes" in text
     assert recorded["diagnosis"].startswith("nibble_swapped:")
+
+
+
+@pytest.mark.parametrize("mutant", [GlobalScaleDropped, GlobalScaleDoubled, NibbleSwapped], ids=lambda m: m.__name__)
+def test_reading_mutants_get_their_reading_first_and_no_unsupported_cause(mutant):
+    """On every cpu case where a check rejects the mutant and its reading applies, that reading is the first
+    diagnosis, and no rounding or location rule follows it (the reading explains their evidence: issue 37 saw a
+    dropped weight_scale_2 diagnosed as bf16_partial_sums, a nibble swap with bf16_partial_sums first)."""
+    from conformance.dense.diagnosis import SUBSUMED_BY_A_READING
+
+    backend, failing_cases, first = mutant(), 0, {}
+    for case in CPU_CASES:
+        run = run_dense_case(backend, case)
+        failures = failing_checks_of_run(run, backend)
+        if "check_within_error_bound" not in failures:
+            continue
+        names = [d.rule for d in diagnose_run(run, failures)]
+        if mutant.diagnosed_as not in names:
+            continue  # this case's data does not separate the reading (e.g. weight_scale_2 == 1)
+        failing_cases += 1
+        first[case.id] = names
+        assert names[0] == mutant.diagnosed_as, f"{case.id}: {names}"
+        assert not set(names) & SUBSUMED_BY_A_READING, f"{case.id}: {names}"
+    assert failing_cases >= 3, f"{mutant.__name__}: diagnosed on {failing_cases} cases only: {first}"
+
+
+
+def test_golden_comparison_failures_are_diagnosed(tmp_path):
+    """test_dense_matches_golden's failures carry the same likely causes as the live cases' (issue 37: they carried
+    none): a backend that never applies weight_scale_2, run against the shipped golden data."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "pytest", "conformance/dense/test_dense_golden.py", "-q", "-p",
+                        "no:cacheprovider", "-n", "0", "--backend", "tests.mutants.dense:GlobalScaleDropped",
+                        "-k", "cpu", f"--junitxml={tmp_path / 'r.xml'}"], cwd=REPO, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 1, r.stdout[-2000:]
+    assert "likely cause [global_scale_missing]" in r.stdout, r.stdout[-3000:]

@@ -62,6 +62,15 @@ def snapshot_root() -> Path:
     return Path(os.environ.get(SNAPSHOT_DIR_ENV, DEFAULT_SNAPSHOT_ROOT))
 
 
+def missing_golden_message(path: Path) -> str:
+    """What a user who lacks a golden file is told: where the data comes from, never to make it themselves
+    (golden truth regenerated from the implementation under test would pass anything)."""
+    return (f"golden data {path} is missing from this install: it ships in the repository's fixtures/snapshots/ "
+            f"(a pip-installed package does not hold it yet); run the suite from a clone of the repository, or set "
+            f"{SNAPSHOT_DIR_ENV} to a copy of its fixtures/snapshots/ directory. Do not generate it yourself: golden "
+            f"data made from the implementation under test would pass anything")
+
+
 # ----------------------------------------------------------------------------------------- serialization
 def serialize_entries(entries: Mapping[str, Any]) -> str:
     """The snapshot text of ``entries`` (name -> tensor | Approx | str | int)."""
@@ -138,7 +147,7 @@ def load_snapshot(path: Path) -> dict[str, Any]:
     try:
         text = Path(path).read_text()
     except FileNotFoundError as exc:
-        raise FileNotFoundError(f"golden snapshot {path} is missing (generate it with --snapshot-update)") from exc
+        raise FileNotFoundError(missing_golden_message(path)) from exc
     try:
         return deserialize_entries(text)
     except ValueError as exc:
@@ -169,7 +178,8 @@ def snapshot_differences(snapshot_text: str, received_text: str) -> list[str]:
     try:
         want, got = json.loads(snapshot_text), json.loads(received_text)
     except json.JSONDecodeError as e:
-        return [f"snapshot is not valid JSON ({e}); regenerate it with --snapshot-update"]
+        return [f"the stored snapshot is not valid JSON ({e}): it is damaged; restore fixtures/snapshots/ from the "
+                f"repository (git checkout fixtures/snapshots)"]
     if want.get("format") != SNAPSHOT_FORMAT:
         return [f"snapshot format {want.get('format')!r}, expected {SNAPSHOT_FORMAT!r}"]
     w_entries, g_entries = want["entries"], got["entries"]
@@ -195,7 +205,8 @@ def _entry_differences(want: dict, got: dict) -> list[str]:
     if (want["rtol"], want["atol"]) != (got["rtol"], got["atol"]):
         diffs.append(
             f"tolerance changed from rtol={want['rtol']}, atol={want['atol']} to rtol={got['rtol']}, "
-            f"atol={got['atol']}; regenerate with --snapshot-update if that is intended"
+            f"atol={got['atol']}: the test and its stored golden data disagree on the tolerance (maintainers: "
+            f"docs/snapshots.md)"
         )
     return diffs + _close_differences(_tensor_from_record(want), _tensor_from_record(got), want["rtol"], want["atol"])
 
@@ -246,4 +257,6 @@ class TensorSnapshotExtension(SingleFileSnapshotExtension):
     def diff_lines(self, serialized_data, snapshot_data) -> Iterator[str]:
         differences = snapshot_differences(snapshot_data, serialized_data) if snapshot_data else ["no snapshot"]
         yield from differences
-        yield "(regenerate on purpose with: pytest --snapshot-update <test>)"
+        yield ("(the stored snapshot is the reference's golden data: a difference is a finding about the code that "
+               "produced the result; it is regenerated only from the reference, by the suite's maintainers: "
+               "docs/snapshots.md)")

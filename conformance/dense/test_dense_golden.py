@@ -9,6 +9,9 @@ import pytest
 
 from conformance.interfaces.kernel import Backend
 from conformance._framework.cases import as_params, case_for_backend
+from conformance._framework.diagnosis import appending_diagnoses
+from conformance.dense.checks import failing_checks_of_run, run_dense_case
+from conformance.dense.diagnosis import diagnose_run
 from conformance.dense.cases import DENSE_CASES
 from conformance.dense.golden import CANONICAL, check_dense_golden
 
@@ -20,6 +23,14 @@ def test_dense_matches_golden(backend: Backend, case, record_property) -> None:
     reason = backend.skip_reason(case_for_backend(case, backend).info())
     if reason:
         pytest.skip(reason)
-    fig = check_dense_golden(backend, case)
+    # a failure is diagnosed like the live cases': the same case run on the backend, every named check and rule
+    # evaluated (only when the golden comparison has failed)
+    with appending_diagnoses(lambda: _diagnoses(backend, case), record_property):
+        fig = check_dense_golden(backend, case)
     for name, value in fig.properties().items():
         record_property(name, value)
+
+
+def _diagnoses(backend: Backend, case):
+    run = run_dense_case(backend, case_for_backend(case, backend))
+    return diagnose_run(run, failing_checks_of_run(run, backend))

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from conformance._framework.snapshots import Approx, deserialize_entries, snapshot_root
+from conformance._framework.snapshots import Approx, deserialize_entries, missing_golden_message, snapshot_root
 from conformance.server.bounds import golden_bound
 from conformance.interfaces.server_types import Generation
 from conformance.server.fidelity import check_logprob_fidelity
@@ -96,8 +96,7 @@ def compute_golden(path: str, prompt_ids: list[list[int]], variances: bool = Tru
 def load_fixture_golden(family: str, weight_set: str):
     path = snapshot_path(family, weight_set)
     if not path.is_file():
-        raise FileNotFoundError(f"no golden snapshot for fixture {family}-{weight_set} ({path}); make it with "
-                                f"`python -m pytest tests/test_server_golden.py --snapshot-update`")
+        raise FileNotFoundError(f"fixture {family}-{weight_set}: {missing_golden_message(path)}")
     return golden_from_entries(deserialize_entries(path.read_text()))
 
 

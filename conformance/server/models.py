@@ -252,8 +252,9 @@ class ModelCatalog:
         path = model.path(weight_set)
         golden = load_fixture_golden(model.name, weight_set)
         if checkpoint_digest(read_tensors(path)) != golden.checkpoint_digest:
-            raise ModelError(f"fixture checkpoint {path} is not the one its golden snapshot was made from: regenerate "
-                             f"with `python -m pytest tests/test_server_golden.py --snapshot-update` (and say why)")
+            raise ModelError(f"fixture checkpoint {path} is not the one its golden snapshot was made from: rebuild the "
+                             f"fixtures (`python fixtures/make_checkpoints.py`; they are made from fixed seeds) and keep "
+                             f"fixtures/snapshots/ as the repository has it (the golden data is the reference's)")
         ids = check_tokenizer_fits(path, model.tokenizer)
         if ids != golden.prompt_ids:
             raise ModelError(f"{model.tokenizer} encodes the prompts to {ids}, the golden snapshot has "

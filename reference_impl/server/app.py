@@ -14,15 +14,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException  # what FastAPI raises for a body it cannot parse
 
-from . import native_api, openai_api, vllm_api
+from . import native_api, openai_api, openapi, vllm_api
 from .api_common import MAX_BATCH, MAX_BODY_BYTES, BadRequest
 from .engine import MEMORY_TAGS
-from .guard import RequestGuard, internal_error
+from .guard import RequestGuard, error_response, internal_error
 from .outputs import Detokenizer
 
 
@@ -151,6 +152,12 @@ def create_app(scheduler: Scheduler, tokenizer, server_info: dict) -> FastAPI:
     async def bad_request(_request, exc: BadRequest):
         return JSONResponse({"error": str(exc)}, status_code=exc.status)
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        # FastAPI's own refusals (a body it cannot parse: "There was an error parsing the body") in this API's
+        # error shape, not FastAPI's {"detail": ...}
+        return error_response(request.url.path, f"invalid request: {exc.detail}", exc.status_code)
+
     @app.exception_handler(RequestValidationError)
     async def invalid(_request, exc: RequestValidationError):
         problems = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()[:5])
@@ -218,4 +225,5 @@ def create_app(scheduler: Scheduler, tokenizer, server_info: dict) -> FastAPI:
     # outermost: the byte limit on what is read, Unicode, nesting and array bounds (reference_impl/server/guard.py)
     app.add_middleware(RequestGuard, max_bytes=MAX_BODY_BYTES)
     app.add_exception_handler(Exception, internal_error)
+    openapi.install(app)  # the document says what the server really answers (reference_impl/server/openapi.py)
     return app

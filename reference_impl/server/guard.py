@@ -36,7 +36,8 @@ MAX_DEPTH = 32  # the deepest a request of any endpoint legitimately nests is 4 
 MAX_ITEMS = 1 << 16  # longest array: a prompt of token ids, one id per item (the model's positions are fewer)
 
 
-def _error(path: str, message: str, status: int, param: str | None = None) -> JSONResponse:
+def error_response(path: str, message: str, status: int, param: str | None = None) -> JSONResponse:
+    """The error object of the API ``path`` belongs to (OpenAI/vLLM or SGLang's native one)."""
     if path.startswith("/v1/") or path == "/collective_rpc":  # the OpenAI/vLLM error object
         body: Any = {"error": {"message": message, "type": "BadRequestError" if status < 500 else "InternalServerError",
                                "param": param, "code": status}}
@@ -99,7 +100,7 @@ class RequestGuard:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
-                await _error(path, f"request body over {self.max_bytes} bytes", 413)(scope, receive, send)
+                await error_response(path, f"request body over {self.max_bytes} bytes", 413)(scope, receive, send)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -117,7 +118,7 @@ class RequestGuard:
             if problem is not None:
                 field, what = problem
                 top = field.split(".")[0].split("[")[0]
-                await _error(path, f"{field}: {what}", 400, None if top.startswith("(") else top)(scope, receive, send)
+                await error_response(path, f"{field}: {what}", 400, None if top.startswith("(") else top)(scope, receive, send)
                 return
         replayed = False
 
@@ -132,5 +133,5 @@ class RequestGuard:
 
 
 async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-    return _error(request.url.path, f"internal error ({type(exc).__name__}); the server stays up: please report "
+    return error_response(request.url.path, f"internal error ({type(exc).__name__}); the server stays up: please report "
                                     f"the request that caused it", 500)

@@ -103,6 +103,27 @@ class W4A4AlphaUnderW4A16(PlainDense):
         return a if layer.input_scale is None else a * layer.input_scale.float().max()
 
 
+class GlobalScaleDropped(PlainDense):
+    """Never applies ``weight_scale_2`` (alpha = 1): the output is the exact one over weight_scale_2."""
+
+    caught_by = "check_within_error_bound"
+    diagnosed_as = "global_scale_missing"
+
+    def alpha(self, layer):
+        return torch.ones((), dtype=torch.float32)
+
+
+class GlobalScaleDoubled(PlainDense):
+    """Applies ``weight_scale_2`` twice (folded into the decoded weights and again in the epilogue)."""
+
+    caught_by = "check_within_error_bound"
+    diagnosed_as = "global_scale_doubled"
+
+    def alpha(self, layer):
+        a = super().alpha(layer)
+        return a * a
+
+
 class PreQuantScaleDropped(PlainDense):
     """Ignores the AWQ ``pre_quant_scale``."""
 
@@ -366,6 +387,8 @@ MUTANTS: tuple[type[PlainDense], ...] = (
     NibbleSwapped,
     UnswizzledScalesReadAsSwizzled,
     W4A4AlphaUnderW4A16,
+    GlobalScaleDropped,
+    GlobalScaleDoubled,
     PreQuantScaleDropped,
     BiasAddedTwice,
     LastPartialRowBlockDropped,
