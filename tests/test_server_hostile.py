@@ -157,3 +157,24 @@ def test_catastrophic_stop_regex_never_delays_health(server, pattern, refused):
         assert r.status_code == 200, (r.status_code, r.text[:300])
     assert latencies and max(latencies) < 1.0, f"/health took up to {max(latencies):.2f} s meanwhile"
     _unchanged(url, client, baseline)
+
+
+def test_an_unhandled_error_is_a_500_that_closes_the_connection():
+    """The last resort for a bug: a 500 naming the exception type, with `Connection: close` (the server ends
+    the connection after it: issue 37 saw 500s drop keep-alive connections without saying so)."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from reference_impl.server.guard import RequestGuard, internal_error
+
+    app = FastAPI()
+
+    @app.post("/v1/boom")
+    async def boom():
+        raise RuntimeError("a bug")
+
+    app.add_middleware(RequestGuard, max_bytes=1024)
+    app.add_exception_handler(Exception, internal_error)
+    r = TestClient(app, raise_server_exceptions=False).post("/v1/boom", json={"a": 1})
+    assert r.status_code == 500 and r.headers.get("connection") == "close", (r.status_code, dict(r.headers))
+    assert r.json()["error"]["message"].startswith("internal error (RuntimeError)")

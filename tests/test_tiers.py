@@ -82,3 +82,27 @@ def test_flashinfer_cases_take_the_b200_tier_and_keep_their_ids():
     assert case_for_backend(case, ReferenceBackend()) is case
     moved = case_for_backend(case, FlashInferBackend(None, unavailable="not here"))
     assert (moved.tier, moved.id, moved.seed) == ("b200", case.id, case.seed)
+
+
+def test_tier_skips_are_reported_at_the_test(tmp_path):
+    """A tier the machine lacks skips the test by a marker, so `-rs` names the test's own file and line, not the
+    tier plugin's (issue 37: every skip line pointed at conformance/_framework/tier_markers.py)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conformance._framework.tiers import TIERS, detect_hardware, tier_skip_reason
+
+    lacking = [t for t in TIERS if tier_skip_reason(t, detect_hardware())]
+    if not lacking:
+        pytest.skip("this machine offers every tier: no tier skip to show")
+    tier = lacking[-1]
+    test = tmp_path / "test_needs_tier.py"
+    test.write_text(f"import pytest\n\n@pytest.mark.{tier}\ndef test_needs_tier():\n    pass\n")
+    repo = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "pytest", str(test), "-p", "conformance.plugin", "-rs", "-q",
+                        "-p", "no:cacheprovider", "--rootdir", str(tmp_path)], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(repo)})
+    skips = [line for line in r.stdout.splitlines() if line.startswith("SKIPPED")]
+    assert len(skips) == 1 and f"[{tier}] needs" in skips[0], r.stdout[-2000:]
+    assert "test_needs_tier.py" in skips[0] and "tier_markers.py" not in skips[0], skips[0]

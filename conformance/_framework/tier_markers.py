@@ -82,15 +82,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             # module is shared with other tests and stays (-m then sees both).
             item.own_markers[:] = [m for m in item.own_markers if m.name not in TIERS]
             item.add_marker(getattr(pytest.mark, effective))
+        # skipped by a marker, not from a hook: pytest then reports the test's own file and line (a skip raised in
+        # pytest_runtest_setup is reported at this module's line, for every test alike)
+        reason = _tier_skip(item)
+        if reason:
+            item.add_marker(pytest.mark.skip(reason=reason))
 
 
-def pytest_runtest_setup(item: pytest.Item) -> None:
+def _tier_skip(item: pytest.Item) -> str | None:
     hw = detect_hardware()
     for tier in TIERS:
         if item.get_closest_marker(tier) is not None:
             reason = _emulated_b200_reason(item, hw) if tier == "b200" and b200_emulated() else tier_skip_reason(tier, hw)
             if reason:
-                pytest.skip(f"[{tier}] {reason}")
+                return f"[{tier}] {reason}"
+    return None
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    reason = _tier_skip(item)  # a tier marker added after collection (by another plugin) is still honoured
+    if reason:
+        pytest.skip(reason)
 
 
 def _emulated_b200_reason(item: pytest.Item, hw) -> str | None:
