@@ -14,6 +14,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PIP="python -m pip install -q --disable-pip-version-check --no-compile"
 TOTAL=10
+# "X requires Y, which is not installed." / "X requires Y==1, but you have Y 2 which is incompatible."
+RESOLVER_NOTE="requires .*(, which is not installed|which is incompatible)"
 n=0
 conflicts=0
 # One step: its number and what it installs, then pip, quiet. pip's "dependency resolver" lines ("X requires Y,
@@ -36,18 +38,19 @@ step() {
     rm -f "$log"
     exit "$rc"
   fi
-  found=$(grep -cE "requires .*, which is (not installed|incompatible)" "$log" || true)
+  found=$(grep -cE "$RESOLVER_NOTE" "$log" || true)
   conflicts=$((conflicts + found))
   local msg="$(( $(date +%s) - t0 )) s"
   [ "$found" -gt 0 ] && msg="$msg, $found expected resolver notes (--no-deps)"
   echo "$msg"
-  grep -vE "requires .*, which is (not installed|incompatible)|^ERROR: pip's dependency resolver does not currently|^WARNING: Location .* is ignored" "$log" | sed 's/^/    /'
+  grep -vE "$RESOLVER_NOTE|^ERROR: pip's dependency resolver does not currently|^WARNING: Location .* is ignored" "$log" \
+    | sed 's/^/    /'
   rm -f "$log"
 }
 
 echo "Installing the self-tests' dependencies (CPU only; about 2-4 minutes on 2 cores; steps 3, 5, 7, 9 use --no-deps on purpose)"
-if python -c "import torch" 2>/dev/null; then
-  n=$((n + 1)); echo "[install $n/$TOTAL] torch: already installed ($(python -c 'import torch; print(torch.__version__)'))"
+if python -c "import torch" > /dev/null 2>&1; then
+  n=$((n + 1)); echo "[install $n/$TOTAL] torch: already installed ($(python -c 'import torch; print(torch.__version__)' 2>/dev/null))"
 else
   step "torch 2.13.0 (CPU build)" $PIP "torch==2.13.0"
 fi
