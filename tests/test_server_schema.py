@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.integration,
 STATE_CHANGING = "^/(pause|sleep|release_memory_occupation)$"
 SEED = os.environ.get("NVFP4_SCHEMATHESIS_SEED", "1")
 EXAMPLES = "30"  # per operation at most; each run also stops after MAX_TIME_S
-MAX_TIME_S = "25"  # a generation the fuzzer makes valid may ask for 64 prompts x 256 tokens: bound the run's wall
+MAX_TIME_S = "15"  # a generation the fuzzer makes valid may ask for 64 prompts x 256 tokens: bound the run's wall
 
 
 @pytest.fixture(scope="module")
