@@ -111,6 +111,30 @@ class ForcedPath:
     routes: list[tuple[int, int, float, torch.Tensor]]
 
 
+@dataclass
+class TeacherForced:
+    """:meth:`ExactModel.teacher_forced`: the sequence ``prompt + continuation`` (an engine's own tokens) judged at
+    every position after the first. Row ``k`` is the prediction of token ``k + 1`` from tokens ``0..k``: rows
+    ``0 .. L-2`` are prompt positions (prefill), rows ``L-1 ..`` the continuation's steps (decode).
+
+    ``logprob[k]``: the reference's logprob of token ``k + 1``; ``best[k]``: its argmax at row ``k``; ``gap[k]``:
+    ``logit(best) - logit(token k + 1) >= 0`` (0 where they are the same token). ``*_var``: the variance
+    estimates ``V_hat`` (absolute units, the server's TP size included) of :mod:`reference_impl.truth.probes` from
+    ``probes`` probes, bounded with :func:`reference_impl.truth.probes.probe_lambda`. ``routes``: every routing
+    decision ``(position, slot, gap, V_hat)``."""
+
+    prompt_len: int
+    tokens: list[int]
+    logprob: torch.Tensor
+    logprob_var: torch.Tensor
+    best: torch.Tensor
+    gap: torch.Tensor
+    gap_var: torch.Tensor
+    routes: list[tuple[int, int, float, float]]
+    probes: int
+    tp: int
+
+
 def checkpoint_digest(tensors: dict[str, torch.Tensor]) -> str:
     """sha256 over the sorted tensor names, dtypes, shapes and bytes (independent of the file layout);
     :meth:`reference_impl.truth.weights.CheckpointFiles.digest` computes the same from the files."""
@@ -289,6 +313,31 @@ class ExactModel:
             return ForcedPath(v[:n], var[:n], v[n:2 * n], var[n:2 * n], routes)
 
         return self._memo(("forced", _ints(prompt), _ints(continuation), float(temperature)), compute)
+
+    def teacher_forced(self, prompt: list[int], continuation: list[int], probes: int | None = None, tp: int = 1,
+                       seed: int = 0) -> TeacherForced:
+        """``prompt + continuation`` teacher forced (:class:`TeacherForced`): one forward-mode pass of ``probes``
+        replicas (:mod:`reference_impl.truth.probes`) gives every position's values and variance estimates.
+        Memoized per question, like the other on-demand answers (an engine that gives the same continuation in
+        several batches is judged once)."""
+        from .truth.probes import DEFAULT_PROBES, probe_sequence, route_outputs
+
+        probes = probes or DEFAULT_PROBES
+        seq = list(prompt) + list(continuation)
+        if len(seq) < 2 or not prompt:
+            raise ValueError("teacher forcing needs a prompt and at least 2 tokens in all (one to predict)")
+
+        def compute():
+            probed = probe_sequence(self.truth, seq[:-1], probes, tp, seed)
+            rows = torch.arange(len(seq) - 1)
+            nxt = torch.tensor(seq[1:])
+            lp, lp_var = probed.logprob(rows, nxt)
+            best = probed.logits.argmax(-1)
+            gap, gap_var = probed.gap(rows, best, nxt)
+            return TeacherForced(len(prompt), seq, lp.cpu(), lp_var.cpu(), best.cpu(), gap.cpu(), gap_var.cpu(),
+                                 route_outputs(self.cfg, probed), probes, tp)
+
+        return self._memo(("teacher", _ints(prompt), _ints(continuation), probes, tp, seed), compute)
 
     def golden(self, prompts: list[list[int]], steps: int, top_k: int = TOP_K, variances: bool = True,
                candidates: list[list[int]] | None = None) -> GoldenSet:

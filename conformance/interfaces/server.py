@@ -18,7 +18,7 @@ from urllib.parse import urlparse
 import requests
 
 from conformance.interfaces.server_pace import HTTP_CEILING_S, Pace, ProbeResult
-from conformance.interfaces.server_types import LOCAL_HOSTS, Deadline, Generation
+from conformance.interfaces.server_types import LOCAL_HOSTS, Deadline, Generation, TokenGeneration
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's names; each dialect maps them
 
@@ -46,6 +46,18 @@ class SamplingSpec:
 class ReloadResult:
     success: bool
     message: str
+
+
+#: the calibration batch (4 prompts of at least 5 tokens, 8 generated) in the units of :func:`request_work`
+CALIBRATION_WORK = 4 * (5 + 8) ** 2
+
+
+def request_work(prompts: Sequence[Sequence[int]], new_tokens: int) -> float:
+    """A token-id request's cost in calibration batches, for its pace: the sum over sequences of the squared
+    final length (a server without a KV cache recomputes each prefix: quadratic; with one, attention still
+    grows with the length), at least 1. Only when a request has waited this many calibrated times is the
+    server probed, so an overestimate merely delays a 'request lost' verdict."""
+    return max(1.0, sum((len(p) + new_tokens) ** 2 for p in prompts) / CALIBRATION_WORK)
 
 
 class ServerDialect(abc.ABC):
@@ -113,6 +125,14 @@ class ServerDialect(abc.ABC):
     @abc.abstractmethod
     def generate(self, prompts: Sequence[str], spec: SamplingSpec) -> list[Generation]:
         """One HTTP request for all ``prompts`` (a batch); per prompt the text, token ids and per-token logprobs."""
+
+    def generate_ids(self, prompts: Sequence[Sequence[int]], spec: SamplingSpec,
+                     prompt_logprobs: bool = True) -> list[TokenGeneration]:
+        """One HTTP request for all token-id ``prompts`` (a batch of exactly these token counts: the workload
+        scenarios choose the engine's forward sizes); with ``prompt_logprobs`` every prompt token after the
+        first is scored too (the prefill's outputs). Dialects that cannot send token ids or return prompt
+        logprobs raise :class:`DialectUnsupported` for ``generate_ids`` / ``prompt_logprobs``."""
+        raise self._unsupported("generate_ids")
 
     def reload_weights(self, path: str, flush_cache: bool = True) -> ReloadResult:
         """Load the checkpoint at ``path`` into the running server; a failure is ``success=False`` + why."""
@@ -192,10 +212,11 @@ class ServerDialect(abc.ABC):
     def _call(self, method: str, path: str, **kwargs) -> requests.Response:
         """One HTTP request, paced when the client has a pace (see the class docstring). Connections are pooled
         (see :meth:`_send`)."""
+        work = kwargs.pop("work", 1.0)  # the request's cost in calibration batches (request_work)
         if self.pace is None:
             return self._send(method, path, **kwargs)
         kind = "generate" if path in self.generate_paths else "control"
-        return self.pace.run(lambda: self._send(method, path, **kwargs), f"{method} {path}", kind, self.probe)
+        return self.pace.run(lambda: self._send(method, path, **kwargs), f"{method} {path}", kind, self.probe, work)
 
     def _send(self, method: str, path: str, **kwargs) -> requests.Response:
         """One HTTP request. Connections are pooled (keep-alive), but never reused after an answer the server

@@ -49,3 +49,34 @@ class Generation:
         prompt_tokens = meta.get("prompt_tokens")
         return cls(d["text"], tuple(ids or ()), lps, meta.get("finish_reason"),
                    int(prompt_tokens) if isinstance(prompt_tokens, int) else None)
+
+
+@dataclass(frozen=True)
+class TokenGeneration:
+    """One sequence of a token-id request (:meth:`~conformance.interfaces.server.ServerDialect.generate_ids`): the
+    prompt as the server saw it, the logprob it gives each prompt token after the first (``prompt_logprobs[j]``:
+    token ``j + 1`` given tokens ``0..j``; None when the dialect returned none), the generated ids and their
+    logprobs."""
+
+    prompt_ids: tuple[int, ...]
+    prompt_logprobs: tuple[float, ...] | None
+    ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+
+
+def prompt_logprobs_from(entries: list, prompt: list[int], what: str) -> tuple[float, ...]:
+    """Per prompt position after the first, the logprob of the prompt's own token from ``entries``: one per
+    prompt token, the first None (every dialect's layout); ``entries[j]`` is ``(logprob, token id)``. An answer
+    that does not cover the prompt token for token is an AssertionError naming ``what``."""
+    if len(entries) != len(prompt):
+        raise AssertionError(f"{what}: {len(entries)} prompt logprob entries for a {len(prompt)}-token prompt")
+    out = []
+    for j, (lp, tok) in enumerate(entries):
+        if tok is not None and int(tok) != prompt[j]:
+            raise AssertionError(f"{what}: prompt logprob entry {j} is for token {tok}, the prompt has {prompt[j]}")
+        if j == 0:
+            continue
+        if lp is None:
+            raise AssertionError(f"{what}: no logprob for prompt token {j} ({prompt[j]})")
+        out.append(float(lp))
+    return tuple(out)

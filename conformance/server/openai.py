@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from conformance.interfaces.server import SamplingSpec, ServerDialect
-from conformance.interfaces.server_types import Deadline, Generation
+from conformance.interfaces.server import request_work, SamplingSpec, ServerDialect
+from conformance.interfaces.server_types import Deadline, Generation, TokenGeneration, prompt_logprobs_from
 
 
 class OpenAIDialect(ServerDialect):
@@ -67,3 +67,38 @@ class OpenAIDialect(ServerDialect):
         prompt_ids = choice.get("prompt_token_ids")  # return_token_ids: the prompt as the server tokenized it
         return Generation(choice["text"], tuple(ids), tuple(float(x) for x in lps), choice.get("finish_reason"),
                           len(prompt_ids) if isinstance(prompt_ids, list) else None)
+
+    def generate_ids(self, prompts: Sequence[Sequence[int]], spec: SamplingSpec,
+                     prompt_logprobs: bool = True) -> list[TokenGeneration]:
+        """Token-id prompts; prompt logprobs by ``echo`` with ``logprobs`` (the prompt's tokens first, the first
+        one null, then the generated ones)."""
+        body = self._completion_body([list(p) for p in prompts], spec) | self._prompt_logprob_fields(prompt_logprobs)
+        data = self._json(self._ok(self._call("POST", "/v1/completions", json=body,
+                                                         work=request_work(prompts, spec.max_new_tokens)), "/v1/completions"),
+                          "/v1/completions")
+        choices = sorted(data.get("choices") or [], key=lambda c: c["index"])
+        if len(choices) != len(prompts):
+            raise AssertionError(f"/v1/completions: {len(choices)} choices for {len(prompts)} prompts")
+        return [self._token_generation(c, list(p), prompt_logprobs, i)
+                for i, (c, p) in enumerate(zip(choices, prompts))]
+
+    def _prompt_logprob_fields(self, prompt_logprobs: bool) -> dict:
+        return {"echo": True} if prompt_logprobs else {}
+
+    def _token_generation(self, choice: dict, prompt: list[int], prompt_logprobs: bool, i: int) -> TokenGeneration:
+        ids = choice.get("token_ids")
+        lps = (choice.get("logprobs") or {}).get("token_logprobs")
+        if ids is None or lps is None:
+            raise AssertionError("/v1/completions returned no token_ids or token_logprobs (the openai dialect needs "
+                                 "return_token_ids and logprobs)")
+        scored = None
+        if prompt_logprobs:
+            if len(lps) != len(prompt) + len(ids):
+                raise AssertionError(f"/v1/completions choice {i}: echo gave {len(lps)} token_logprobs for a "
+                                     f"{len(prompt)}-token prompt and {len(ids)} generated tokens")
+            scored = prompt_logprobs_from([(lp, None) for lp in lps[:len(prompt)]], prompt,
+                                          f"/v1/completions choice {i} echo")
+            lps = lps[len(prompt):]
+        if len(lps) != len(ids):
+            raise AssertionError(f"/v1/completions choice {i}: {len(lps)} token_logprobs for {len(ids)} token_ids")
+        return TokenGeneration(tuple(prompt), scored, tuple(ids), tuple(float(x) for x in lps))

@@ -30,7 +30,7 @@ from conformance.server.launcher import REFERENCE_TEMPLATE, ServerProcess, Serve
 from conformance.server.dialects import DIALECTS, ServerDialect, make_dialect
 from conformance.server.models import (DEFAULT_MODELS, SERVED_WEIGHTS, ModelCatalog, ModelError, ServedModel,
                                       remove_work_dir, work_dir)
-from conformance.server.scenarios import SCENARIOS, Scenario, calibrate, fresh_outputs, run_scenario
+from conformance.server.scenarios import SCENARIOS, Scenario, calibrate, fresh_outputs, run_scenario, workload_scenario
 
 ATTACHED = ServerConfig(1, device="attached", tier="cpu")
 SERVER_API_ENV = selection.OPTIONS["--server-api"].env
@@ -82,6 +82,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help="where the reference's fp64 golden truth of --server-checkpoint checkpoints runs (and the "
                      "on-demand gaps, branches and teacher-forced paths of every model), e.g. cuda, cuda:1, cpu "
                      "(default: cuda if available, else cpu)")
+    g.addoption("--workload", default=None, metavar="NAME|FILE",
+                help="add the workload scenario: 'quick' (the tiny fixtures on CPU), 'standard' (real checkpoints "
+                     "on a GPU) or a TOML file of conformance/server/workloads.py's fields; every prompt position "
+                     "and generated token is judged, per phase and token-count bucket (docs/server.md "
+                     "'Workloads'); the coverage map goes to --report-dir")
     g.addoption("--server-checkpoints", default=None,
                 help="a fixture build made with `python fixtures/make_checkpoints.py --out DIR` (read only; "
                      "default: fixtures/checkpoints, built on first use)")
@@ -94,6 +99,7 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(f"--server-api {config.getoption('--server-api')!r} (or ${SERVER_API_ENV}): "
                                 f"known APIs: {', '.join(DIALECTS)} (one, or a comma-separated list without repeats)")
     config.addinivalue_line("markers", "batch_invariance: needs batch-size invariant logprobs (not every engine promises it)")
+    config.addinivalue_line("markers", "workload: the --workload scenario (every position judged, per token-count bucket)")
     config.addinivalue_line("markers", "server_scenario: starts or attaches to an inference server")
     if getattr(config.option, "dist", None) == "load":
         # `-n N` alone means "load"; with "loadgroup" (the same for tests without a group) each server's
@@ -204,7 +210,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     for name in _catalog(metafunc.config).names():
         for cfg in _configs(metafunc.config):
             for api in server_apis(metafunc.config):
-                for scenario in SCENARIOS:
+                for scenario in SCENARIOS + _workload_scenarios(metafunc.config):
                     if scenario.needs_tp_baseline and (cfg.world == 1 or cfg is ATTACHED):
                         continue
                     case = ServerCase(cfg, name, scenario, api)
@@ -214,6 +220,20 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
                     marks += [getattr(pytest.mark, m) for m in scenario.marks]
                     params.append(pytest.param(case, id=case.id, marks=marks))
     metafunc.parametrize("server_case", params)
+
+
+def _workload_scenarios(config: pytest.Config) -> tuple[Scenario, ...]:
+    spec = config.getoption("--workload")
+    if not spec:
+        return ()
+    from conformance.server.workloads import load
+
+    try:
+        workload = load(spec)
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from exc
+    report = config.getoption("--report-dir")
+    return (workload_scenario(workload, truth_device(config), Path(report) if report else None),)
 
 
 class ServerPool:

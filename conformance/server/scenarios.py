@@ -476,6 +476,26 @@ SCENARIOS = (
 SCENARIOS_BY_ID = {s.id: s for s in SCENARIOS}
 
 
+def workload_scenario(workload, device: str | None, report_dir=None) -> Scenario:
+    """The scenario of ``--workload``: ``workload`` sent and judged position by position
+    (conformance/server/workload_scenario.py)."""
+    def run(ctx: ScenarioContext) -> None:
+        import json
+        from pathlib import Path
+
+        from conformance.server.workload_scenario import run_workload
+
+        cfg = json.loads((Path(ctx.model.truth_model.a) / "config.json").read_text())
+        coverage = run_workload(ctx, workload, int(cfg["vocab_size"]), int(cfg["max_position_embeddings"]), device,
+                                report_dir)
+        ctx.golden.compared += coverage.judged
+        ctx.golden.worst_ratio = max([ctx.golden.worst_ratio] + [c.worst_ratio for c in coverage.cells.values()])
+        ctx.golden.observations += coverage.notes + [f"workload {workload.name}: {coverage.judged} positions judged "
+                                                     f"in {len(coverage.cells)} (phase, bucket) cells"]
+
+    return Scenario(f"workload_{workload.name}", run, marks=("workload",))
+
+
 def run_scenario(scenario: Scenario, client: ServerDialect, model: ServedModel, truths: dict[str, GoldenTruth],
                  baseline: ServerDialect | None = None, tp: int = 1, timeout_s: float | None = None,
                  fresh: list[Generation] | None = None, batch_invariant: bool = False) -> GoldenResult:

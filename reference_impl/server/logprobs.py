@@ -38,6 +38,7 @@ class InputLogprobs:
     logprobs: list[float] = field(default_factory=list)
     top: list[Pairs] | None = None
     token_ids: list[Pairs] | None = None
+    ranks: list[int] = field(default_factory=list)  # 1 + how many tokens are more likely (vLLM's rank)
 
 
 def position_extras(row: torch.Tensor, req: LogprobRequest) -> tuple[Pairs | None, Pairs | None]:
@@ -57,6 +58,7 @@ def score_prompt(logprobs: torch.Tensor, input_ids: tuple[int, ...], req: Logpro
     for j in range(req.input_start + 1, len(input_ids)):
         row = logprobs[j - 1]
         out.logprobs.append(float(row[input_ids[j]]))
+        out.ranks.append(1 + int((row > row[input_ids[j]]).sum()))
         top, named = position_extras(row, req)
         if out.top is not None:
             out.top.append(top)

@@ -66,6 +66,7 @@ class CompletionIn(BaseModel):
     no_stop_trim: bool = False
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # vLLM: every prompt token's logprob
 
     def check_supported(self) -> None:
         unsupported = (  # field, value, "asks for nothing the reference lacks", supported, why
@@ -125,8 +126,8 @@ def build_requests(body: CompletionIn, detok: Detokenizer, cfg) -> tuple[list[Ge
     bad = [t for t in body.stop_token_ids or () if not 0 <= t < cfg.vocab_size]
     if bad:
         raise OpenAIError(f"stop_token_ids: token id {bad[0]} out of range [0, {cfg.vocab_size})", param="stop_token_ids")
-    ask = LogprobRequest(top_k=body.logprobs or 0, input_start=0 if body.echo else -1) \
-        if body.logprobs is not None else LogprobRequest()
+    scored = (body.echo and body.logprobs is not None) or body.prompt_logprobs is not None
+    ask = LogprobRequest(top_k=max(body.logprobs or 0, body.prompt_logprobs or 0), input_start=0 if scored else -1)
     requests = []
     for seq in ids:
         max_len = cfg.max_position_embeddings
@@ -189,6 +190,14 @@ def _choice(index: int, c: Completion, req: GenerateRequest, body: CompletionIn,
             lps = [None] + scored.logprobs + lps
             tops = [None] + (scored.top if scored.top is not None else [None] * len(scored.logprobs)) + tops
         choice["logprobs"] = completion_logprobs(tokens, lps, tops, body.logprobs, token_str)
+    if body.prompt_logprobs is not None:  # vLLM's layout: per prompt token {id: {logprob, rank, decoded_token}}
+        scored = c.input_logprobs
+        choice["prompt_logprobs"] = [None] + [
+            {str(t): {"logprob": max(lp, LOGPROB_FLOOR), "rank": rank, "decoded_token": token_str(t)}}
+            | {str(tt): {"logprob": max(tl, LOGPROB_FLOOR), "rank": k + 1, "decoded_token": token_str(tt)}
+               for k, (tl, tt) in enumerate((top or [])[:body.prompt_logprobs]) if tt != t}
+            for t, lp, rank, top in zip(req.input_ids[1:], scored.logprobs, scored.ranks,
+                                        scored.top or [None] * len(scored.logprobs))]
     if body.return_token_ids:
         choice["token_ids"] = list(c.output_ids)
         choice["prompt_token_ids"] = list(req.input_ids)

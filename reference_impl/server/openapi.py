@@ -41,6 +41,7 @@ COMPLETION_BODY = {"type": "object", "required": ["prompt"], "properties": {
     "max_tokens": {"type": ["integer", "null"]}, "temperature": {"type": ["number", "null"]},
     "top_p": {"type": ["number", "null"]}, "seed": {"type": ["integer", "null"]},
     "logprobs": {"type": ["integer", "null"]}, "echo": BOOL, "ignore_eos": BOOL, "return_token_ids": BOOL,
+    "prompt_logprobs": {"type": ["integer", "null"]},
     "stop": {"anyOf": [STR, {"type": "array", "items": STR}, {"type": "null"}]}}}
 RPC_BODY = {"type": "object", "required": ["method"], "properties": {
     "method": STR, "kwargs": {"type": "object"}, "args": {"type": "array"}}}

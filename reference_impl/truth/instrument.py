@@ -57,8 +57,17 @@ class Recorder:
     layer: int = -1
     stores: list[Store] = field(default_factory=list)
     routes: list[RouteDecision] = field(default_factory=list)
+    #: a :class:`reference_impl.truth.probes.Probe`: every store gets a random tangent (forward-mode probes)
+    probe: object = None
+
+    @property
+    def observing(self) -> bool:
+        """Whether stores are observed (rounding analysis or probes)."""
+        return self.analysis or self.probe is not None
 
     def store(self, value: torch.Tensor, kind: str, info=None, n: int = 0, reduced: bool = False) -> torch.Tensor:
+        if self.probe is not None:
+            return self.probe.perturb(kind, value, info, n, reduced)
         if not self.analysis:
             return value
         with torch.no_grad():
@@ -119,14 +128,14 @@ def truth_experts(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, 
         wg, wu, wd = self._truth_weights(e)
         x = hidden_states[tok]
         kind = self._truth_kind
-        g = rec.store(x @ wg.T, kind, lambda: (x, wg), x.shape[-1])
-        u = rec.store(x @ wu.T, kind, lambda: (x, wu), x.shape[-1])
+        g = rec.store(x @ wg.T, kind, lambda: (x, wg, tok), x.shape[-1])  # tok: the rows' positions (probes)
+        u = rec.store(x @ wu.T, kind, lambda: (x, wu, tok), x.shape[-1])
         h = rec.store(F.silu(g) * u, "act")
-        y = rec.store(h @ wd.T, kind, lambda: (h, wd), h.shape[-1])
+        y = rec.store(h @ wd.T, kind, lambda: (h, wd, tok), h.shape[-1])
         w = weights[tok, slot_][:, None]
         contribution = y * w
         out = out.index_add(0, tok, contribution)
-        if rec.analysis:
+        if rec.observing:
             with torch.no_grad():
                 mag[0].index_add_(0, tok, contribution.detach().abs())
                 mag[1].index_add_(0, tok, (h.detach().abs() @ wd.abs().T) * w.detach().abs())
@@ -144,8 +153,10 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: b
 def rope_wrapper(original, interleave: bool):
     def apply(q, k, cos, sin, *args, **kwargs):
         rec = active()
-        if rec is None or not rec.analysis:
+        if rec is None or not rec.observing:
             return original(q, k, cos, sin, *args, **kwargs)
+        if rec.probe is not None:  # the tables serve every replica of a probed batch: each its own draws
+            cos, sin = cos.expand(q.shape[0], *cos.shape[1:]), sin.expand(q.shape[0], *sin.shape[1:])
         cos, sin = rec.store(cos, "round"), rec.store(sin, "round")
         c, s = cos.unsqueeze(1), sin.unsqueeze(1)  # [b, t, d] -> [b, 1, t, d] (q, k: [b, h, t, d])
         out = []

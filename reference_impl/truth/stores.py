@@ -44,25 +44,7 @@ class Store:
             self._weights(kind, value, info, n, reduced)
 
     def _weights(self, kind, value, info, n, reduced) -> None:
-        v = value.detach().abs()
-        bf16 = v.pow(2) * (2 if kind in ("act", "norm") else 1)
-        accum, self.weight_operands, tp_sq = None, None, None
-        if kind == "sum":
-            bf16 = bf16 + info.pow(2)
-        elif kind == "combine":
-            bf16 = bf16 + (n + 1) * info[0].pow(2)
-            tp_sq = [tp * info[1].pow(2) for tp in TP_SIZES]  # tp partials and running sums, each <= sum_k |w_k| A_k
-        elif kind.startswith("linear"):
-            x, w = info
-            x = x.reshape(-1, x.shape[-1])
-            if kind != "linear_exact":
-                self.weight_operands = (x.abs(), w.abs(), w if kind == "linear_awq" else None)
-            accum = ((n + 2) * (x.abs() @ w.abs().T)).pow(2)
-            if reduced:
-                tp_sq = [partials_sq(x, w, tp) for tp in TP_SIZES]
-        elif kind in ("dot", "router"):
-            accum = ((n + 2) * info).pow(2)
-        self.sq = [bf16, accum] + (tp_sq or [None] * len(TP_SIZES))
+        self.sq, self.weight_operands = error_weights(kind, value, info, n, reduced)
 
     def variances(self, g: torch.Tensor) -> torch.Tensor:
         """``[F, components]``: this store's contribution for F functions with gradients ``g [F, *shape]``."""
@@ -77,6 +59,31 @@ class Store:
                 rows = max(1, _CHUNK_ELEMENTS // xa.numel())
                 out[:, 0] += torch.cat([((c @ w) * xa).pow(2).flatten(1).sum(1) for c in gl.split(rows)])
         return out
+
+
+def error_weights(kind: str, value: torch.Tensor, info, n: int, reduced: bool, tp_sizes=TP_SIZES):
+    """``(sq, weight_operands)`` of one store: ``sq`` the per-element squared error weights of each component
+    (None where a component has none; the TPn terms only for ``tp_sizes``), ``weight_operands`` ``(|x|, |W|, W or None)`` of an NVFP4 linear's
+    weight (and AWQ input) rounding terms, else None (the table in the module docstring)."""
+    v = value.detach().abs()
+    bf16 = v.pow(2) * (2 if kind in ("act", "norm") else 1)
+    accum, weight_operands, tp_sq = None, None, None
+    if kind == "sum":
+        bf16 = bf16 + info.pow(2)
+    elif kind == "combine":
+        bf16 = bf16 + (n + 1) * info[0].pow(2)
+        tp_sq = [tp * info[1].pow(2) if tp in tp_sizes else None for tp in TP_SIZES]  # partials, running sums
+    elif kind.startswith("linear"):
+        x, w = info[0], info[1]
+        x = x.reshape(-1, x.shape[-1])
+        if kind != "linear_exact":
+            weight_operands = (x.abs(), w.abs(), w if kind == "linear_awq" else None)
+        accum = ((n + 2) * (x.abs() @ w.abs().T)).pow(2).reshape(value.shape)
+        if reduced:
+            tp_sq = [partials_sq(x, w, tp).reshape(value.shape) if tp in tp_sizes else None for tp in TP_SIZES]
+    elif kind in ("dot", "router"):
+        accum = ((n + 2) * info).pow(2)
+    return [bf16, accum] + (tp_sq or [None] * len(TP_SIZES)), weight_operands
 
 
 def weight_term(a: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from conformance.interfaces.server import ReloadResult, SamplingSpec, ServerDialect
-from conformance.interfaces.server_types import Generation
+from conformance.interfaces.server import request_work, ReloadResult, SamplingSpec, ServerDialect
+from conformance.interfaces.server_types import Generation, TokenGeneration, prompt_logprobs_from
 
 
 class SGLangDialect(ServerDialect):
@@ -26,6 +26,29 @@ class SGLangDialect(ServerDialect):
                                                            "return_logprob": True}), "/generate")
         data = self._json(r, "/generate")
         return [Generation.from_json(d) for d in (data if isinstance(data, list) else [data])]
+
+    def generate_ids(self, prompts: Sequence[Sequence[int]], spec: SamplingSpec,
+                     prompt_logprobs: bool = True) -> list[TokenGeneration]:
+        """``input_ids`` with ``return_logprob`` and ``logprob_start_len`` 0 (every prompt position scored)."""
+        params = {"max_new_tokens": spec.max_new_tokens, "temperature": spec.temperature, "top_p": spec.top_p,
+                  "ignore_eos": spec.ignore_eos}
+        body = {"input_ids": [list(p) for p in prompts], "sampling_params": params, "return_logprob": True}
+        if prompt_logprobs:
+            body["logprob_start_len"] = 0
+        data = self._json(self._ok(self._call("POST", "/generate", json=body,
+                                                         work=request_work(prompts, spec.max_new_tokens)), "/generate"), "/generate")
+        data = data if isinstance(data, list) else [data]
+        if len(data) != len(prompts):
+            raise AssertionError(f"/generate: {len(data)} answers for {len(prompts)} prompts")
+        out = []
+        for i, (d, prompt) in enumerate(zip(data, prompts)):
+            g = Generation.from_json(d)
+            scored = None
+            if prompt_logprobs:
+                entries = [(e[0], e[1]) for e in (d.get("meta_info", {}).get("input_token_logprobs") or [])]
+                scored = prompt_logprobs_from(entries, list(prompt), f"/generate prompt {i} input_token_logprobs")
+            out.append(TokenGeneration(tuple(prompt), scored, g.ids, g.logprobs or ()))
+        return out
 
     def reload_weights(self, path: str, flush_cache: bool = True) -> ReloadResult:
         r = self._call("POST", "/update_weights_from_disk",

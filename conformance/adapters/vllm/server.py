@@ -55,6 +55,31 @@ class VLLMDialect(OpenAIDialect):
     def _completion_body(self, prompts: Sequence[str], spec: SamplingSpec) -> dict:
         return super()._completion_body(prompts, spec) | {"return_tokens_as_token_ids": True}
 
+    def _prompt_logprob_fields(self, prompt_logprobs: bool) -> dict:
+        return {"prompt_logprobs": 0} if prompt_logprobs else {}  # vLLM's extension (not echo)
+
+    def _token_generation(self, choice: dict, prompt: list[int], prompt_logprobs: bool, i: int):
+        from conformance.interfaces.server_types import TokenGeneration, prompt_logprobs_from
+
+        g = super()._token_generation(choice, prompt, False, i)
+        if not prompt_logprobs:
+            return g
+        raw = choice.get("prompt_logprobs")
+        if not isinstance(raw, list):
+            raise AssertionError(f"/v1/completions choice {i}: no prompt_logprobs list (asked with prompt_logprobs=0)")
+        entries = []
+        for j, pos in enumerate(raw):
+            if pos is None:
+                entries.append((None, None))
+                continue
+            own = pos.get(str(prompt[j])) if isinstance(pos, dict) and j < len(prompt) else None
+            if not isinstance(own, dict) or "logprob" not in own:
+                raise AssertionError(f"/v1/completions choice {i}: prompt_logprobs[{j}] has no entry for the "
+                                     f"prompt's token {prompt[j] if j < len(prompt) else '?'}: {str(pos)[:200]}")
+            entries.append((own["logprob"], prompt[j]))
+        return TokenGeneration(g.prompt_ids, prompt_logprobs_from(entries, prompt, f"choice {i} prompt_logprobs"),
+                               g.ids, g.logprobs)
+
     def restore_serving(self) -> None:
         super().restore_serving()  # /wake_up
         try:

@@ -1,0 +1,280 @@
+"""The workload scenarios' judge: every prompt position and every generated token of an engine's answer, checked
+against the reference by teacher forcing over the engine's own tokens, and the coverage it adds up to.
+
+For one answer (prompt ``P``, the engine's continuation ``C``, the prompt logprobs and the generated tokens'
+logprobs it returned) the truth is one teacher-forced pass over ``P + C``
+(:meth:`reference_impl.golden.ExactModel.teacher_forced`): at every row the reference's logprob of the next token
+and its best token, with variance estimates from forward-mode probes (:mod:`reference_impl.truth.probes`).
+
+Checks, per row ``k`` (the prediction of token ``k + 1``), bound ``LAMBDA_K sqrt(V_hat)``
+(:func:`reference_impl.truth.probes.probe_lambda`; false-failure risk 3.0e-8 per check, the golden bounds' risk):
+
+* ``logprob``: ``|engine logprob - reference logprob| <= bound`` (prompt tokens: the prefill's outputs; generated
+  tokens: the decode's);
+* ``choice`` (generated tokens only): where the engine's token is not the reference's best, the reference's logit
+  gap between the two must be within its bound (a near tie a correct BF16 engine may take either way). Each step
+  is judged on the engine's own prefix, so a legitimate divergence does not end the comparison.
+
+MoE routing: a row that fails while some routing decision at or before it is a near tie (its gap within its bound)
+is judged again on the branches with those decisions taken the other way (breadth first, at most
+:data:`MAX_BRANCHES` forwards per answer): it passes if a branch puts it within bounds.
+
+Each row is attributed to the *phase* and *token-count bucket* of the forward that computed it in the workload's
+plan: prompt rows and the first generated token to the prefill (bucket of the prefill's token count), later
+generated tokens to the decode (bucket of the number of sequences decoding). The coverage map counts, per cell,
+rows judged and failed, and names the expected cells nothing reached.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from conformance.interfaces.server_types import TokenGeneration
+from conformance.server.workloads import GRID, PHASES, bucket, buckets_up_to
+
+MAX_BRANCHES = 24
+MAX_REPORTED = 8  # failing rows named in a failure message (all of them are in the coverage file)
+
+
+@dataclass
+class Planned:
+    """One answer to judge: which request it was, and the token counts of the forwards that computed it."""
+
+    request: str
+    weight_set: str
+    prefill_m: int
+    decode_m: int
+
+
+@dataclass
+class Row:
+    request: str
+    phase: str
+    bucket: str
+    row: int
+    check: str
+    engine: float
+    reference: float
+    bound: float
+    detail: str = ""
+
+    def describe(self) -> str:
+        return (f"{self.phase} M {self.bucket}, {self.request}, position {self.row}: {self.check} {self.detail}"
+                f"engine {self.engine:.6f} vs reference {self.reference:.6f} (bound {self.bound:.3e}, "
+                f"{abs(self.engine - self.reference) / self.bound if self.bound else math.inf:.1f}x)")
+
+
+@dataclass
+class Cell:
+    judged: int = 0
+    failed: int = 0
+    worst_ratio: float = 0.0
+    nll_delta_sum: float = 0.0   # sum of (reference logprob - engine logprob) over logprob checks
+    top1_mismatch: int = 0       # generated tokens that are not the reference's best
+    generated: int = 0
+
+
+@dataclass
+class Coverage:
+    """Per (phase, bucket): rows judged, failed, worst bound ratio, mean delta NLL, top-1 mismatch rate."""
+
+    workload: str
+    expected: set = field(default_factory=set)  # (phase, bucket) the plan sends
+    cells: dict = field(default_factory=dict)
+    failures: list[Row] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def cell(self, phase: str, b: str) -> Cell:
+        return self.cells.setdefault((phase, b), Cell())
+
+    def expect(self, p: Planned) -> None:
+        self.expected |= {("prefill", bucket(p.prefill_m)), ("decode", bucket(p.decode_m))}
+
+    def not_reached(self) -> list[tuple[str, str]]:
+        return sorted(k for k in self.expected if self.cells.get(k, Cell()).judged == 0)
+
+    @property
+    def judged(self) -> int:
+        return sum(c.judged for c in self.cells.values())
+
+    def as_dict(self) -> dict:
+        rows = []
+        top = max((GRID.index(int(b.split("-")[-1])) for _, b in self.expected | set(self.cells)
+                   if b.split("-")[-1].isdigit() and int(b.split("-")[-1]) in GRID), default=0)
+        for phase in PHASES:
+            for b in buckets_up_to(GRID[top]):
+                c = self.cells.get((phase, b))
+                status = ("failed" if c and c.failed else "passed" if c and c.judged else
+                          "not reached" if (phase, b) in self.expected else "not planned")
+                entry = {"phase": phase, "bucket": b, "status": status}
+                if c and c.judged:
+                    entry |= {"judged": c.judged, "failed": c.failed, "worst_bound_ratio": round(c.worst_ratio, 4),
+                              "mean_delta_nll": c.nll_delta_sum / c.judged,
+                              "top1_mismatch_rate": (c.top1_mismatch / c.generated) if c.generated else None}
+                rows.append(entry)
+        return {"workload": self.workload, "judged": self.judged, "failed": len(self.failures),
+                "cells": rows, "failures": [asdict(r) for r in self.failures[:200]], "notes": self.notes}
+
+    def markdown(self) -> str:
+        d = self.as_dict()
+        lines = [f"### Coverage of workload `{self.workload}`: {d['judged']} positions judged, {d['failed']} failed",
+                 "", "| phase | tokens in the forward (M) | status | judged | failed | worst bound ratio | "
+                 "mean delta NLL | top-1 mismatch |", "|---|---|---|---|---|---|---|---|"]
+        for e in d["cells"]:
+            if e["status"] == "not planned":
+                continue
+            mm = e.get("top1_mismatch_rate")
+            lines.append(f"| {e['phase']} | {e['bucket']} | {e['status']} | {e.get('judged', 0)} | "
+                         f"{e.get('failed', 0)} | {e.get('worst_bound_ratio', '')} | "
+                         f"{'' if 'mean_delta_nll' not in e else format(e['mean_delta_nll'], '.2e')} | "
+                         f"{'' if mm is None else format(mm, '.3f')} |")
+        return "\n".join(lines) + "\n"
+
+    def write(self, directory: Path, stem: str) -> list[Path]:
+        """``<stem>.json``, ``<stem>.md`` and, when matplotlib is installed, ``<stem>.png`` (the heat map)."""
+        directory.mkdir(parents=True, exist_ok=True)
+        out = [directory / f"{stem}.json", directory / f"{stem}.md"]
+        out[0].write_text(json.dumps(self.as_dict(), indent=2) + "\n")
+        out[1].write_text(self.markdown())
+        png = _heat_map(self.as_dict(), directory / f"{stem}.png")
+        return out + ([png] if png else [])
+
+
+def _heat_map(d: dict, path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    buckets = list(dict.fromkeys(e["bucket"] for e in d["cells"]))
+    colour = {"passed": 0.0, "not planned": 0.5, "not reached": 0.75, "failed": 1.0}
+    grid = [[colour[e["status"]] for e in d["cells"] if e["phase"] == phase] for phase in PHASES]
+    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(buckets)), 2.4))
+    ax.imshow(grid, cmap="RdYlGn_r", vmin=0, vmax=1, aspect="auto")
+    ax.set_xticks(range(len(buckets)), buckets, rotation=60, fontsize=7)
+    ax.set_yticks(range(len(PHASES)), PHASES)
+    for y, phase in enumerate(PHASES):
+        for x, e in enumerate(e for e in d["cells"] if e["phase"] == phase):
+            text = str(e.get("judged", "")) if e["status"] in ("passed", "failed") else e["status"][:3]
+            ax.text(x, y, text, ha="center", va="center", fontsize=6)
+    ax.set_title(f"workload {d['workload']}: positions judged per (phase, tokens in the forward)", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+class WorkloadJudge:
+    """Judges answers against one checkpoint per weight set (``exact[weight set]``: an
+    :class:`reference_impl.golden.ExactModel`), adding to ``coverage``."""
+
+    def __init__(self, exact: dict, coverage: Coverage, tp: int = 1, probes: int | None = None):
+        from reference_impl.truth.probes import DEFAULT_PROBES, probe_lambda
+
+        self.exact, self.coverage, self.tp = exact, coverage, tp
+        self.probes = probes or DEFAULT_PROBES
+        self.lam = probe_lambda(self.probes)
+
+    def bound(self, var: float) -> float:
+        return self.lam * math.sqrt(max(float(var), 0.0))
+
+    def judge(self, answer: TokenGeneration, plan: Planned) -> None:
+        prompt, cont = list(answer.prompt_ids), list(answer.ids)
+        if not cont:
+            raise AssertionError(f"{plan.request}: the server generated no token (asked for a continuation)")
+        model = self.exact[plan.weight_set]
+        tf = model.teacher_forced(prompt, cont, self.probes, self.tp)
+        lp_engine = list(answer.prompt_logprobs or ()) + list(answer.logprobs)
+        first_row = 0 if answer.prompt_logprobs is not None else len(prompt) - 1
+        rows = range(first_row, len(prompt) + len(cont) - 1)
+        if len(lp_engine) != len(prompt) + len(cont) - 1 - first_row:
+            raise AssertionError(f"{plan.request}: {len(lp_engine)} logprobs for {len(rows)} positions")
+        failing: list[Row] = []
+        judged: list[tuple[int, Row | None]] = []
+        for k, lp in zip(rows, lp_engine):
+            phase = "prefill" if k < len(prompt) else "decode"
+            b = bucket(plan.prefill_m if phase == "prefill" else plan.decode_m)
+            ref, bd = float(tf.logprob[k]), self.bound(tf.logprob_var[k])
+            bad = None
+            if k >= len(prompt) - 1 and int(tf.best[k]) != tf.tokens[k + 1]:
+                gb = self.bound(tf.gap_var[k])
+                if float(tf.gap[k]) > gb:
+                    bad = Row(plan.request, phase, b, k, "choice", lp, ref, gb,
+                              f"token {tf.tokens[k + 1]} where the reference's best {int(tf.best[k])} leads by "
+                              f"{float(tf.gap[k]):.4f} > its bound {gb:.3e}: ")
+            if bad is None and not abs(lp - ref) <= bd:
+                bad = Row(plan.request, phase, b, k, "logprob", lp, ref, bd)
+            judged.append((k, bad))
+            if bad:
+                failing.append(bad)
+        explained = self._explain(model, tf, failing) if failing else set()
+        for k, bad in judged:
+            phase = "prefill" if k < len(prompt) else "decode"
+            c = self.coverage.cell(phase, bucket(plan.prefill_m if phase == "prefill" else plan.decode_m))
+            c.judged += 1
+            lp, ref = lp_engine[k - first_row], float(tf.logprob[k])
+            c.nll_delta_sum += ref - lp
+            c.worst_ratio = max(c.worst_ratio, abs(lp - ref) / max(self.bound(tf.logprob_var[k]), 1e-300))
+            if k >= len(prompt) - 1:
+                c.generated += 1
+                c.top1_mismatch += int(int(tf.best[k]) != tf.tokens[k + 1])
+            if bad is not None and k not in explained:
+                c.failed += 1
+                self.coverage.failures.append(bad)
+
+    def _explain(self, model, tf, failing: list[Row]) -> set[int]:
+        """Rows among ``failing`` that a branch of near-tie routing flips puts within bounds."""
+        ties = sorted((t, s) for t, s, gap, var in tf.routes if gap <= self.bound(var))
+        if not ties:
+            return set()
+        flips = {}
+        seq = tf.tokens
+        _, routes = model.branch(seq[:1], seq[1:], {})
+        from reference_impl.truth.instrument import slot
+
+        for d in routes:
+            s = slot(model.cfg, d.layer, d.kind)
+            for t in range(len(d.flips)):
+                flips[(s, t)] = d.flips[t]
+        todo, explained, spent = {r.row for r in failing}, set(), 0
+        branches = [{(s, t): flips[(s, t)]} for t, s in ties if (s, t) in flips]
+        branches.append({(s, t): flips[(s, t)] for t, s in ties if (s, t) in flips})  # every tie at once
+        for forced in branches:
+            if spent >= MAX_BRANCHES or not todo:
+                break
+            logits, _ = model.branch(seq[:1], seq[1:], forced)
+            spent += 1
+            lps = torch.log_softmax(logits, -1)
+            for r in failing:
+                if r.row in todo and min(t for s, t in forced) <= r.row:
+                    # as the golden comparison's branches (conformance/server/golden.py): the token within its
+                    # gap bound of the branch's best, its logprob within the logprob and gap bounds
+                    lp = float(lps[r.row, seq[r.row + 1]])
+                    gap = float(logits[r.row].max() - logits[r.row, seq[r.row + 1]])
+                    lp_bound = self.bound(tf.logprob_var[r.row])
+                    gap_bound = self.bound(tf.gap_var[r.row]) if float(tf.gap_var[r.row]) > 0 else lp_bound
+                    if gap <= gap_bound and abs(r.engine - lp) <= lp_bound + gap_bound:
+                        todo.discard(r.row)
+                        explained.add(r.row)
+        if explained:
+            self.coverage.notes.append(f"{len(explained)} position(s) of one answer within bounds on a branch of "
+                                       f"near-tie routings ({len(ties)} near ties)")
+        return explained
+
+
+def failure_message(coverage: Coverage, what: str) -> str:
+    rows = coverage.failures
+    by_cell: dict[tuple[str, str], int] = {}
+    for r in rows:
+        by_cell[(r.phase, r.bucket)] = by_cell.get((r.phase, r.bucket), 0) + 1
+    cells = ", ".join(f"{p} M {b}: {n}" for (p, b), n in sorted(by_cell.items()))
+    head = "\n  ".join(r.describe() for r in rows[:MAX_REPORTED])
+    return (f"{what}: {len(rows)} of {coverage.judged} positions outside the reference's bounds ({cells}); "
+            f"first ones:\n  {head}\n(conformance/server/workload_judge.py; bounds from "
+            f"reference_impl/truth/probes.py)")

@@ -1,0 +1,200 @@
+"""Variance proxies of every output at once, by forward-mode random probes: the truth at workload scale.
+
+The rounding model (reference_impl/golden.py) gives an engine's deviation of a quantity ``f`` as, to first order,
+``d = sum_i s_i e_i`` over its rounding errors ``|e_i| <= u_i c_i`` (independent, mean zero), so ``d`` is
+sub-Gaussian with variance proxy ``V = sum_i (s_i u_i c_i)^2`` (Hoeffding). :mod:`reference_impl.truth.engine`
+computes ``V`` exactly with one batched backward per output: ``F`` outputs of a ``T``-token sequence cost ``F``
+backward passes, ``O(F T)``, which rules out judging every position of long prompts.
+
+Here every store gets a random *tangent* instead: ``u_i c_i g_i`` with ``g_i`` independent standard normal (one
+variable per element; the rounded BF16 weight is one variable per weight element shared by the sequence's tokens,
+``x (u |W| o G)^T``; an AWQ input one per input element). One forward-mode pass (``torch.autograd.forward_ad``)
+carries them to every output at once: ``Z_f = sum_i s_i u_i c_i g_i``, exactly ``N(0, V_f)`` for every ``f``
+whatever the sensitivities (a linear combination of independent Gaussians). ``K`` probes (``K`` replicas of the
+sequence in one batch, each with its own draws) give ``V_hat = mean_k Z_fk^2`` with ``K V_hat / V ~ chi^2_K``.
+
+**The bound** (:func:`probe_lambda`). A correct engine fails the check ``|d| <= LAMBDA_K sqrt(V_hat)`` with
+probability ``P = E[P(|d| > LAMBDA_K sqrt(V_hat) | V_hat)] <= E[2 exp(-LAMBDA_K^2 V_hat / (2 V))]``
+(Hoeffding, the probes independent of the engine's roundings) ``= 2 E[exp(-(LAMBDA_K^2 / 2K) X)]`` with
+``X ~ chi^2_K``, whose moment generating function gives ``P <= 2 (1 + LAMBDA_K^2 / K)^(-K/2)``. Setting that to
+the exact bound's risk ``2 exp(-LAMBDA^2 / 2)`` (``LAMBDA`` = 6: 3.0e-8 per quantity) gives
+``LAMBDA_K^2 = K (exp(LAMBDA^2 / K) - 1)``: for ``K`` = 64, ``LAMBDA_K`` = 6.95 (the bound 16 % wider than with the
+exact ``V`` at the same risk), 32: 8.16, 128: 6.45. Components with different units (BF16 ``2^-8``, fp32
+accumulation ``2^-23``, the TPn partial sums) are one Gaussian per element with the summed variance, so ``V`` is
+the quantity under the exact bound's square root. The estimate is unbiased (``E[V_hat] = V``);
+tests/test_truth_probes.py checks ``K V_hat / V`` against ``chi^2_K`` with the exact ``V`` of the fixtures.
+
+**Cost.** One forward of ``K`` replicas with tangents (about three forwards' arithmetic each: primal, tangent,
+the weight term), independent of how many outputs are judged: every position's logprob, every gap, every
+routing decision of the sequence.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.autograd.forward_ad as fwAD
+
+from .instrument import Recorder, RouteDecision, recording, slot
+from .stores import TP_SIZES, error_weights
+
+#: probes per sequence: the bound is 16 % wider than with the exact variance (module docstring)
+DEFAULT_PROBES = 64
+U_BF16 = 2.0 ** -8
+U_ACCUM = 2.0 ** -23
+#: the exact bound's multiplier (conformance/server/bounds.py GOLDEN_LAMBDA): the risk both bounds share
+BASE_LAMBDA = 6.0
+
+
+def probe_lambda(probes: int, base_lambda: float = BASE_LAMBDA) -> float:
+    """``LAMBDA_K``: the multiplier of ``sqrt(V_hat)`` from ``probes`` probes with the false-failure risk of
+    ``base_lambda`` times the exact ``sqrt(V)`` (module docstring)."""
+    if probes < 1:
+        raise ValueError(f"at least one probe, got {probes}")
+    return math.sqrt(probes * math.expm1(base_lambda ** 2 / probes))
+
+
+def _primal(t):
+    if isinstance(t, torch.Tensor):
+        return fwAD.unpack_dual(t).primal.detach()
+    if isinstance(t, (tuple, list)):
+        return type(t)(_primal(x) for x in t)
+    return t
+
+
+class Probe:
+    """Gives each store of a forward over ``replicas`` copies of a ``tokens``-token sequence its random tangent
+    (a :class:`reference_impl.truth.instrument.Recorder`'s ``probe``). ``tp``: the tensor-parallel size whose
+    partial-sum roundings are included (1: none)."""
+
+    def __init__(self, replicas: int, tokens: int, tp: int = 1, generator: torch.Generator | None = None):
+        if tp > 1 and tp not in TP_SIZES:
+            larger = [t for t in TP_SIZES if t >= tp]
+            if not larger:
+                raise ValueError(f"probes cover tensor parallelism up to {TP_SIZES[-1]}, got {tp}")
+            tp = larger[0]
+        self.replicas, self.tokens, self.tp = replicas, tokens, tp
+        self.generator = generator
+
+    def _randn(self, shape, like: torch.Tensor) -> torch.Tensor:
+        # float32 normals (3x faster to draw than fp64): their quantization (2^-24 relative) and Box-Muller's
+        # float32 tail (|g| < 5.8) move the variance by < 1e-6 relative, nothing against the chi^2 spread
+        g = torch.randn(shape, dtype=torch.float32, generator=self.generator)
+        return g.to(device=like.device, dtype=torch.float64)
+
+    def perturb(self, kind: str, value: torch.Tensor, info, n: int, reduced: bool) -> torch.Tensor:
+        primal = _primal(value)
+        with torch.no_grad():
+            info = _primal(info() if callable(info) else info)
+            # a dense linear's replicas share their primal: its error weights from replica 0 (the accumulation
+            # term is a GEMM as large as the linear itself)
+            shared = kind.startswith("linear") and len(info) == 2 and info[0].dim() == 3 \
+                and info[0].shape[0] == self.replicas > 1
+            if shared:
+                info, one = (info[0][:1], info[1]), primal[:1]
+            else:
+                one = primal
+            sq, operands = error_weights(kind, one, info, n, reduced, (self.tp,))
+            var = U_BF16 ** 2 * sq[0]
+            if sq[1] is not None:
+                var = var + U_ACCUM ** 2 * sq[1].reshape(one.shape)
+            if self.tp > 1 and sq[2 + TP_SIZES.index(self.tp)] is not None:
+                var = var + U_BF16 ** 2 * sq[2 + TP_SIZES.index(self.tp)].reshape(one.shape)
+            tangent = var.sqrt() * self._randn(primal.shape, primal)
+            if operands is not None:
+                tangent = tangent + self._weight_tangent(operands, info, shared).reshape(primal.shape)
+        return value + fwAD.make_dual(torch.zeros_like(primal), tangent)
+
+    def _weight_tangent(self, operands, info, shared: bool) -> torch.Tensor:
+        """The BF16 weight rounding (one variable per weight element per replica, shared by its tokens) and the
+        AWQ input rounding (one per input element). ``shared``: the operands are replica 0's (a dense linear:
+        every replica's input is the same); else rows of every replica, ``info[2]`` their flat positions."""
+        x_abs, w_abs, w_awq = operands
+        noisy = [U_BF16 * w_abs * self._randn(w_abs.shape, w_abs) for _ in range(self.replicas)]
+        if shared:
+            out = torch.stack([x_abs @ g.T for g in noisy])                              # [K, T, N]
+            if w_awq is not None:
+                out = out + (U_BF16 * x_abs * self._randn((self.replicas, *x_abs.shape), x_abs)) @ w_awq.T
+            return out
+        rows = info[2] if len(info) > 2 else torch.arange(x_abs.shape[0], device=x_abs.device)
+        replica = torch.div(rows, self.tokens, rounding_mode="floor")
+        out = x_abs.new_zeros(x_abs.shape[0], w_abs.shape[0])
+        for r in range(self.replicas):
+            sel = (replica == r).nonzero()[:, 0]
+            if len(sel):
+                out[sel] = x_abs[sel] @ noisy[r].T
+        if w_awq is not None:
+            out = out + (U_BF16 * x_abs * self._randn(x_abs.shape, x_abs)) @ w_awq.T
+        return out
+
+
+@dataclass
+class Probed:
+    """One sequence probed: the reference's logits ``[T, V]`` (fp64), their tangents ``[K, T, V]``, and every
+    routing decision with its gaps' tangents."""
+
+    logits: torch.Tensor
+    tangents: torch.Tensor
+    routes: list[tuple[RouteDecision, torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (decision, gaps [T], tangents [K, T])
+
+    @property
+    def probes(self) -> int:
+        return int(self.tangents.shape[0])
+
+    def logprob(self, rows: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(log_softmax(logits[r])[tok], V_hat)`` for each ``(rows[i], tokens[i])``."""
+        lse = torch.logsumexp(self.logits[rows], -1)
+        p = torch.softmax(self.logits[rows], -1)                       # [R, V]
+        z = self.tangents[:, rows]                                     # [K, R, V]
+        dz = z.gather(2, tokens.expand(z.shape[0], -1)[..., None])[..., 0] - (z * p).sum(-1)
+        return self.logits[rows, tokens] - lse, dz.pow(2).mean(0)
+
+    def gap(self, rows: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logits[r, first] - logits[r, second], V_hat)`` for each row."""
+        z = self.tangents[:, rows]
+        k = z.shape[0]
+        dz = z.gather(2, first.expand(k, -1)[..., None])[..., 0] - z.gather(2, second.expand(k, -1)[..., None])[..., 0]
+        return self.logits[rows, first] - self.logits[rows, second], dz.pow(2).mean(0)
+
+
+def probe_sequence(truth, ids: list[int], probes: int = DEFAULT_PROBES, tp: int = 1, seed: int = 0) -> Probed:
+    """Forward-mode probes of one sequence through ``truth`` (a :class:`reference_impl.truth.engine.TruthModel`):
+    the layers one at a time (weights streamed once), ``probes`` replicas in one batch."""
+    gen = torch.Generator().manual_seed(seed)
+    t = len(ids)
+    probe = Probe(probes, t, tp, gen)
+    routes: list[RouteDecision] = []
+    with fwAD.dual_level(), torch.no_grad():
+        x = truth.embed(ids).expand(probes, t, -1).contiguous()
+        x = fwAD.make_dual(x, torch.zeros_like(x))
+        pe = truth._positions(x)
+        for i in range(truth.cfg.num_layers):
+            with truth.layer(i) as layer:
+                rec = Recorder(truth.cfg, False, {}, i, probe=probe)
+                with recording(rec):
+                    x = truth._run(layer, x, pe)
+                routes += rec.routes
+        rec = Recorder(truth.cfg, False, probe=probe)
+        with recording(rec):
+            h = truth.final_norm(x)
+            w = truth.lm_head()
+            logits = rec.store(h @ w.T, "dot", lambda: _primal(h).abs() @ w.abs().T, h.shape[-1])
+        primal, tangent = fwAD.unpack_dual(logits)
+        out = Probed(primal[0].clone(), tangent.clone())
+        for d in routes:
+            gp, gt = fwAD.unpack_dual(d.gaps)
+            out.routes.append((d, gp.reshape(probes, t)[0].clone(),
+                               (gt if gt is not None else torch.zeros_like(gp)).reshape(probes, t).clone()))
+    return out
+
+
+def route_outputs(cfg, probed: Probed) -> list[tuple[int, int, float, float]]:
+    """Every finite routing decision: ``(position, slot, gap, V_hat)``."""
+    out = []
+    for d, gaps, tangents in probed.routes:
+        s = slot(cfg, d.layer, d.kind)
+        var = tangents.pow(2).mean(0)
+        for pos in torch.isfinite(gaps).nonzero()[:, 0].tolist():
+            out.append((pos, s, float(gaps[pos]), float(var[pos])))
+    return out
