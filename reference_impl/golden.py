@@ -316,28 +316,38 @@ class ExactModel:
 
     def teacher_forced(self, prompt: list[int], continuation: list[int], probes: int | None = None, tp: int = 1,
                        seed: int = 0) -> TeacherForced:
-        """``prompt + continuation`` teacher forced (:class:`TeacherForced`): one forward-mode pass of ``probes``
-        replicas (:mod:`reference_impl.truth.probes`) gives every position's values and variance estimates.
-        Memoized per question, like the other on-demand answers (an engine that gives the same continuation in
-        several batches is judged once)."""
-        from .truth.probes import DEFAULT_PROBES, probe_sequence, route_outputs
+        """``prompt + continuation`` teacher forced (:class:`TeacherForced`); see :meth:`teacher_forced_many`."""
+        return self.teacher_forced_many([(prompt, continuation)], probes, tp, seed)[0]
+
+    def teacher_forced_many(self, pairs: list[tuple[list[int], list[int]]], probes: int | None = None, tp: int = 1,
+                            seed: int = 0) -> list[TeacherForced]:
+        """Each ``(prompt, continuation)`` teacher forced (:class:`TeacherForced`): forward-mode passes of
+        ``probes`` replicas (:mod:`reference_impl.truth.probes`; sequences of equal length share one) give every
+        position's values and variance estimates. Memoized per question, like the other on-demand answers (an
+        engine that gives the same continuation in several batches is judged once)."""
+        from .truth.probes import DEFAULT_PROBES, probe_sequences, route_outputs
 
         probes = probes or DEFAULT_PROBES
-        seq = list(prompt) + list(continuation)
-        if len(seq) < 2 or not prompt:
-            raise ValueError("teacher forcing needs a prompt and at least 2 tokens in all (one to predict)")
-
-        def compute():
-            probed = probe_sequence(self.truth, seq[:-1], probes, tp, seed)
+        keys = [("teacher", _ints(p), _ints(c), probes, tp, seed) for p, c in pairs]
+        for (p, c) in pairs:
+            if not p or len(p) + len(c) < 2:
+                raise ValueError("teacher forcing needs a prompt and at least 2 tokens in all (one to predict)")
+        found = {k: self._answers[k][0] for k in keys if k in self._answers}
+        todo = list(dict.fromkeys(k for k in keys if k not in found))
+        seqs = [list(k[1]) + list(k[2]) for k in todo]
+        for k, seq, probed in zip(todo, seqs, probe_sequences(self.truth, [q[:-1] for q in seqs], probes, tp, seed)):
             rows = torch.arange(len(seq) - 1)
             nxt = torch.tensor(seq[1:])
             lp, lp_var = probed.logprob(rows, nxt)
             best = probed.logits.argmax(-1)
             gap, gap_var = probed.gap(rows, best, nxt)
-            return TeacherForced(len(prompt), seq, lp.cpu(), lp_var.cpu(), best.cpu(), gap.cpu(), gap_var.cpu(),
-                                 route_outputs(self.cfg, probed), probes, tp)
-
-        return self._memo(("teacher", _ints(prompt), _ints(continuation), probes, tp, seed), compute)
+            answer = TeacherForced(len(k[1]), seq, lp.cpu(), lp_var.cpu(), best.cpu(), gap.cpu(), gap_var.cpu(),
+                                   route_outputs(self.cfg, probed), probes, tp)
+            found[k] = self._memo(k, lambda answer=answer: answer)
+        for k in keys:
+            if k in self._answers:
+                self._answers.move_to_end(k)
+        return [found[k] for k in keys]
 
     def golden(self, prompts: list[list[int]], steps: int, top_k: int = TOP_K, variances: bool = True,
                candidates: list[list[int]] | None = None) -> GoldenSet:

@@ -55,6 +55,16 @@ def probe_lambda(probes: int, base_lambda: float = BASE_LAMBDA) -> float:
     return math.sqrt(probes * math.expm1(base_lambda ** 2 / probes))
 
 
+def _every_kth(info, k: int, rows: int):
+    """``info``'s activations laid out like the store (``[rows, tokens, ...]``) taken at replica 0 of each sequence
+    (a weight ``[N, K]`` whose N happens to equal ``rows`` is left alone)."""
+    if isinstance(info, torch.Tensor):
+        return info[::k] if info.dim() >= 3 and info.shape[0] == rows else info  # not a weight matrix
+    if isinstance(info, (tuple, list)):
+        return type(info)(_every_kth(x, k, rows) for x in info)
+    return info
+
+
 def _primal(t):
     if isinstance(t, torch.Tensor):
         return fwAD.unpack_dual(t).primal.detach()
@@ -64,17 +74,21 @@ def _primal(t):
 
 
 class Probe:
-    """Gives each store of a forward over ``replicas`` copies of a ``tokens``-token sequence its random tangent
-    (a :class:`reference_impl.truth.instrument.Recorder`'s ``probe``). ``tp``: the tensor-parallel size whose
-    partial-sum roundings are included (1: none)."""
+    """Gives each store of a forward over ``replicas`` copies of each of ``sequences`` ``tokens``-token sequences
+    its random tangent (a :class:`reference_impl.truth.instrument.Recorder`'s ``probe``). ``tp``: the
+    tensor-parallel size whose partial-sum roundings are included (1: none). Replica ``k`` of every sequence
+    shares its weight-rounding draws: each sequence's estimates are still exactly as described (a quantity
+    depends on its own sequence only), and the draws, the dearest part of a short sequence, are made once."""
 
-    def __init__(self, replicas: int, tokens: int, tp: int = 1, generator: torch.Generator | None = None):
+    def __init__(self, replicas: int, tokens: int, tp: int = 1, generator: torch.Generator | None = None,
+                 sequences: int = 1):
         if tp > 1 and tp not in TP_SIZES:
             larger = [t for t in TP_SIZES if t >= tp]
             if not larger:
                 raise ValueError(f"probes cover tensor parallelism up to {TP_SIZES[-1]}, got {tp}")
             tp = larger[0]
         self.replicas, self.tokens, self.tp = replicas, tokens, tp
+        self.sequences = sequences  # batch rows: sequence s, replica k at s * replicas + k
         self.generator = generator
 
     def _randn(self, shape, like: torch.Tensor) -> torch.Tensor:
@@ -84,15 +98,19 @@ class Probe:
         return g.to(device=like.device, dtype=torch.float64)
 
     def perturb(self, kind: str, value: torch.Tensor, info, n: int, reduced: bool) -> torch.Tensor:
-        primal = _primal(value)
+        primal, upstream = fwAD.unpack_dual(value)
+        primal = primal.detach()
+        k, rows = self.replicas, self.replicas * self.sequences
         with torch.no_grad():
             info = _primal(info() if callable(info) else info)
-            # a dense linear's replicas share their primal: its error weights from replica 0 (the accumulation
-            # term is a GEMM as large as the linear itself)
-            shared = kind.startswith("linear") and len(info) == 2 and info[0].dim() == 3 \
-                and info[0].shape[0] == self.replicas > 1
-            if shared:
-                info, one = (info[0][:1], info[1]), primal[:1]
+            # a store laid out [sequence x replica, ...] has the same primal in every replica of a sequence: its
+            # error weights from replica 0 (for a dense linear the accumulation term is a GEMM as large as the
+            # linear); the MoE experts' and router's rows mix sequences, replicas and tokens: all of them
+            batched = k > 1 and primal.dim() >= 3 and primal.shape[0] == rows
+            shared = batched and kind.startswith("linear") and len(info) == 2
+            if batched:
+                one = primal[::k]
+                info = _every_kth(info, k, rows)
             else:
                 one = primal
             sq, operands = error_weights(kind, one, info, n, reduced, (self.tp,))
@@ -101,31 +119,51 @@ class Probe:
                 var = var + U_ACCUM ** 2 * sq[1].reshape(one.shape)
             if self.tp > 1 and sq[2 + TP_SIZES.index(self.tp)] is not None:
                 var = var + U_BF16 ** 2 * sq[2 + TP_SIZES.index(self.tp)].reshape(one.shape)
-            tangent = var.sqrt() * self._randn(primal.shape, primal)
+            std = var.sqrt()
+            noise = self._randn(primal.shape, primal)
+            if batched:  # [S, ...] against [S * K, ...]
+                noise = noise.view(one.shape[0], k, *one.shape[1:]).mul_(std[:, None]).view(primal.shape)
+            else:
+                noise.mul_(std)
             if operands is not None:
-                tangent = tangent + self._weight_tangent(operands, info, shared).reshape(primal.shape)
-        return value + fwAD.make_dual(torch.zeros_like(primal), tangent)
+                noise.add_(self._weight_tangent(operands, info, shared).reshape(primal.shape))
+            if upstream is not None:
+                noise.add_(upstream)
+        # make_dual lays the tangent out like the primal: an expanded primal (the rotary tables) needs its own memory
+        return fwAD.make_dual(primal if primal.is_contiguous() else primal.contiguous(), noise)
 
     def _weight_tangent(self, operands, info, shared: bool) -> torch.Tensor:
         """The BF16 weight rounding (one variable per weight element per replica, shared by its tokens) and the
         AWQ input rounding (one per input element). ``shared``: the operands are replica 0's (a dense linear:
         every replica's input is the same); else rows of every replica, ``info[2]`` their flat positions."""
-        x_abs, w_abs, w_awq = operands
-        noisy = [U_BF16 * w_abs * self._randn(w_abs.shape, w_abs) for _ in range(self.replicas)]
-        if shared:
-            out = torch.stack([x_abs @ g.T for g in noisy])                              # [K, T, N]
-            if w_awq is not None:
-                out = out + (U_BF16 * x_abs * self._randn((self.replicas, *x_abs.shape), x_abs)) @ w_awq.T
+        x, w_abs, w_awq = operands  # x signed: the rounded weight's effect on y_tn is x_tk dW_nk
+        k = self.replicas
+        noisy = self._randn((k, *w_abs.shape), w_abs).mul_(U_BF16 * w_abs)                 # [K, N, K_in]
+        if shared:  # x: [S * T, K_in], replica 0 of each sequence
+            x3 = x.reshape(self.sequences, self.tokens, -1)
+            out = torch.einsum("stc,knc->sktn", x3, noisy)                                # [S, K, T, N]
+            if w_awq is not None:  # the AWQ input x * pre_quant_scale rounded: one variable per element
+                out = out + (U_BF16 * x3.abs()[:, None] * self._randn((self.sequences, k, *x3.shape[1:]), x3)) @ w_awq.T
             return out
-        rows = info[2] if len(info) > 2 else torch.arange(x_abs.shape[0], device=x_abs.device)
-        replica = torch.div(rows, self.tokens, rounding_mode="floor")
-        out = x_abs.new_zeros(x_abs.shape[0], w_abs.shape[0])
-        for r in range(self.replicas):
-            sel = (replica == r).nonzero()[:, 0]
-            if len(sel):
-                out[sel] = x_abs[sel] @ noisy[r].T
+        rows = info[2] if len(info) > 2 else torch.arange(x.shape[0], device=x.device)
+        batch = torch.div(rows, self.tokens, rounding_mode="floor")  # sequence * K + replica
+        seq, replica = torch.div(batch, k, rounding_mode="floor"), batch % k
+        out = x.new_zeros(x.shape[0], w_abs.shape[0])
+        stacked = noisy.transpose(1, 2)                                                  # [K, K_in, N]
+        for s_ in seq.unique().tolist():
+            sel = (seq == s_).nonzero()[:, 0]
+            order = sel[torch.argsort(replica[sel], stable=True)]
+            n = len(order) // k
+            if n * k == len(order) and bool((replica[order].view(k, n) == torch.arange(k, device=x.device)[:, None]).all()):
+                # every replica routes the same tokens here (their primal is the same): one batched product
+                out[order] = torch.bmm(x[order].view(k, n, -1), stacked).reshape(k * n, -1)
+            else:
+                for r in range(k):
+                    part = sel[replica[sel] == r]
+                    if len(part):
+                        out[part] = x[part] @ noisy[r].T
         if w_awq is not None:
-            out = out + (U_BF16 * x_abs * self._randn(x_abs.shape, x_abs)) @ w_awq.T
+            out = out + (U_BF16 * x.abs() * self._randn(x.shape, x)) @ w_awq.T
         return out
 
 
@@ -158,15 +196,40 @@ class Probed:
         return self.logits[rows, first] - self.logits[rows, second], dz.pow(2).mean(0)
 
 
+#: batch rows (sequences x replicas x tokens) of one probed pass: bounds its activations (256 MiB per
+#: hidden-size-256 activation in fp64 at 2^17) on the fixtures; larger models take fewer sequences per pass
+MAX_ROWS = 1 << 16
+
+
+def probe_sequences(truth, seqs: list[list[int]], probes: int = DEFAULT_PROBES, tp: int = 1, seed: int = 0,
+                    max_rows: int = MAX_ROWS) -> list[Probed]:
+    """Forward-mode probes of each sequence through ``truth`` (a :class:`reference_impl.truth.engine.TruthModel`):
+    sequences of equal length share a pass (at most ``max_rows`` rows), the layers one at a time (weights
+    streamed once per pass), ``probes`` replicas of each. The draws depend on ``seed`` and the batching."""
+    out: list[Probed | None] = [None] * len(seqs)
+    by_length: dict[int, list[int]] = {}
+    for i, s in enumerate(seqs):
+        by_length.setdefault(len(s), []).append(i)
+    for t, idx in sorted(by_length.items()):
+        per = max(1, max_rows // (probes * t))
+        for lo in range(0, len(idx), per):
+            part = idx[lo:lo + per]
+            for i, p in zip(part, _probe_pass(truth, [seqs[i] for i in part], probes, tp, seed)):
+                out[i] = p
+    return out
+
+
 def probe_sequence(truth, ids: list[int], probes: int = DEFAULT_PROBES, tp: int = 1, seed: int = 0) -> Probed:
-    """Forward-mode probes of one sequence through ``truth`` (a :class:`reference_impl.truth.engine.TruthModel`):
-    the layers one at a time (weights streamed once), ``probes`` replicas in one batch."""
+    return probe_sequences(truth, [ids], probes, tp, seed)[0]
+
+
+def _probe_pass(truth, seqs: list[list[int]], probes: int, tp: int, seed: int) -> list[Probed]:
     gen = torch.Generator().manual_seed(seed)
-    t = len(ids)
-    probe = Probe(probes, t, tp, gen)
+    n, t = len(seqs), len(seqs[0])
+    probe = Probe(probes, t, tp, gen, sequences=n)
     routes: list[RouteDecision] = []
     with fwAD.dual_level(), torch.no_grad():
-        x = truth.embed(ids).expand(probes, t, -1).contiguous()
+        x = torch.cat([truth.embed(ids).expand(probes, t, -1) for ids in seqs]).contiguous()
         x = fwAD.make_dual(x, torch.zeros_like(x))
         pe = truth._positions(x)
         for i in range(truth.cfg.num_layers):
@@ -181,11 +244,13 @@ def probe_sequence(truth, ids: list[int], probes: int = DEFAULT_PROBES, tp: int 
             w = truth.lm_head()
             logits = rec.store(h @ w.T, "dot", lambda: _primal(h).abs() @ w.abs().T, h.shape[-1])
         primal, tangent = fwAD.unpack_dual(logits)
-        out = Probed(primal[0].clone(), tangent.clone())
+        out = [Probed(primal[s * probes].clone(), tangent[s * probes:(s + 1) * probes].clone()) for s in range(n)]
         for d in routes:
             gp, gt = fwAD.unpack_dual(d.gaps)
-            out.routes.append((d, gp.reshape(probes, t)[0].clone(),
-                               (gt if gt is not None else torch.zeros_like(gp)).reshape(probes, t).clone()))
+            gt = gt if gt is not None else torch.zeros_like(gp)
+            gp, gt = gp.reshape(n, probes, t), gt.reshape(n, probes, t)
+            for s in range(n):
+                out[s].routes.append((d, gp[s, 0].clone(), gt[s].clone()))
     return out
 
 

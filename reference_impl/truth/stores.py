@@ -30,6 +30,9 @@ import torch
 TP_SIZES = (2, 4, 8)
 KINDS = ("round", "act", "norm", "sum", "combine", "dot", "router", "linear", "linear_awq", "linear_exact")
 NUM_COMPONENTS = 2 + len(TP_SIZES)
+#: the weight term with the sensitivities' signs (exact) instead of |a| |x| (an upper bound, the default): only
+#: tests/test_truth_probes.py sets it, to compare the probes' unbiased estimate with its exact value
+WEIGHT_TERM_SIGNED = False
 _CHUNK_ELEMENTS = 1 << 25  # elements of one temporary of the weight term (256 MiB in fp64)
 
 
@@ -51,9 +54,12 @@ class Store:
         g2 = g.pow(2).flatten(1)
         out = torch.stack([g2 @ c.flatten() if c is not None else g2.new_zeros(g.shape[0]) for c in self.sq], dim=1)
         if self.weight_operands is not None:
-            x_abs, w_abs, w = self.weight_operands
+            x, w_abs, w = self.weight_operands
+            x_abs = x.abs()
             gl = g.reshape(g.shape[0], -1, w_abs.shape[0])
-            out[:, 0] += weight_term(gl.abs(), x_abs, w_abs)
+            # the rounded weight's sensitivity is sum_t a_tn x_tk; |a| |x| bounds it (the exact term, with signs,
+            # when WEIGHT_TERM_SIGNED: what the forward-mode probes estimate, for their self-test)
+            out[:, 0] += weight_term(gl, x, w_abs) if WEIGHT_TERM_SIGNED else weight_term(gl.abs(), x_abs, w_abs)
             if w is not None:  # AWQ: x * pre_quant_scale rounded, one variable per input element
                 xa = x_abs
                 rows = max(1, _CHUNK_ELEMENTS // xa.numel())
@@ -63,7 +69,7 @@ class Store:
 
 def error_weights(kind: str, value: torch.Tensor, info, n: int, reduced: bool, tp_sizes=TP_SIZES):
     """``(sq, weight_operands)`` of one store: ``sq`` the per-element squared error weights of each component
-    (None where a component has none; the TPn terms only for ``tp_sizes``), ``weight_operands`` ``(|x|, |W|, W or None)`` of an NVFP4 linear's
+    (None where a component has none; the TPn terms only for ``tp_sizes``), ``weight_operands`` ``(x, |W|, W or None)`` of an NVFP4 linear's
     weight (and AWQ input) rounding terms, else None (the table in the module docstring)."""
     v = value.detach().abs()
     bf16 = v.pow(2) * (2 if kind in ("act", "norm") else 1)
@@ -77,7 +83,7 @@ def error_weights(kind: str, value: torch.Tensor, info, n: int, reduced: bool, t
         x, w = info[0], info[1]
         x = x.reshape(-1, x.shape[-1])
         if kind != "linear_exact":
-            weight_operands = (x.abs(), w.abs(), w if kind == "linear_awq" else None)
+            weight_operands = (x, w.abs(), w if kind == "linear_awq" else None)
         accum = ((n + 2) * (x.abs() @ w.abs().T)).pow(2).reshape(value.shape)
         if reduced:
             tp_sq = [partials_sq(x, w, tp).reshape(value.shape) if tp in tp_sizes else None for tp in TP_SIZES]
