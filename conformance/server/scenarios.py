@@ -485,6 +485,7 @@ def workload_scenario(workload, device: str | None, report_dir=None) -> Scenario
 
         from conformance.server.workload_scenario import run_workload
 
+        _start(ctx)  # weight set a serving (reloaded where the API can), as every scenario starts
         cfg = json.loads((Path(ctx.model.truth_model.a) / "config.json").read_text())
         coverage = run_workload(ctx, workload, int(cfg["vocab_size"]), int(cfg["max_position_embeddings"]), device,
                                 report_dir)

@@ -36,7 +36,7 @@ import torch
 from conformance.interfaces.server_types import TokenGeneration
 from conformance.server.workloads import GRID, PHASES, bucket, buckets_up_to
 
-MAX_BRANCHES = 24
+MAX_BRANCHES = 48
 MAX_REPORTED = 8  # failing rows named in a failure message (all of them are in the coverage file)
 
 
@@ -76,6 +76,7 @@ class Cell:
     nll_delta_sum: float = 0.0   # sum of (reference logprob - engine logprob) over logprob checks
     top1_mismatch: int = 0       # generated tokens that are not the reference's best
     generated: int = 0
+    explained: int = 0           # outside the smooth bound, within it on a branch of near-tie routings
 
 
 @dataclass
@@ -112,7 +113,8 @@ class Coverage:
                           "not reached" if (phase, b) in self.expected else "not planned")
                 entry = {"phase": phase, "bucket": b, "status": status}
                 if c and c.judged:
-                    entry |= {"judged": c.judged, "failed": c.failed, "worst_bound_ratio": round(c.worst_ratio, 4),
+                    entry |= {"judged": c.judged, "failed": c.failed, "near_tie_branches": c.explained,
+                              "worst_bound_ratio": round(c.worst_ratio, 4),
                               "mean_delta_nll": c.nll_delta_sum / c.judged,
                               "top1_mismatch_rate": (c.top1_mismatch / c.generated) if c.generated else None}
                 rows.append(entry)
@@ -122,14 +124,14 @@ class Coverage:
     def markdown(self) -> str:
         d = self.as_dict()
         lines = [f"### Coverage of workload `{self.workload}`: {d['judged']} positions judged, {d['failed']} failed",
-                 "", "| phase | tokens in the forward (M) | status | judged | failed | worst bound ratio | "
-                 "mean delta NLL | top-1 mismatch |", "|---|---|---|---|---|---|---|---|"]
+                 "", "| phase | tokens in the forward (M) | status | judged | failed | on a near-tie branch | "
+                 "worst bound ratio | mean delta NLL | top-1 mismatch |", "|---|---|---|---|---|---|---|---|---|"]
         for e in d["cells"]:
             if e["status"] == "not planned":
                 continue
             mm = e.get("top1_mismatch_rate")
             lines.append(f"| {e['phase']} | {e['bucket']} | {e['status']} | {e.get('judged', 0)} | "
-                         f"{e.get('failed', 0)} | {e.get('worst_bound_ratio', '')} | "
+                         f"{e.get('failed', 0)} | {e.get('near_tie_branches', '')} | {e.get('worst_bound_ratio', '')} | "
                          f"{'' if 'mean_delta_nll' not in e else format(e['mean_delta_nll'], '.2e')} | "
                          f"{'' if mm is None else format(mm, '.3f')} |")
         return "\n".join(lines) + "\n"
@@ -220,7 +222,10 @@ class WorkloadJudge:
             c.judged += 1
             lp, ref = lp_engine[k - first_row], float(tf.logprob[k])
             c.nll_delta_sum += ref - lp
-            c.worst_ratio = max(c.worst_ratio, abs(lp - ref) / max(self.bound(tf.logprob_var[k]), 1e-300))
+            if k in explained:
+                c.explained += 1
+            else:  # the worst ratio of the rows judged on the reference's own routing
+                c.worst_ratio = max(c.worst_ratio, abs(lp - ref) / max(self.bound(tf.logprob_var[k]), 1e-300))
             if k >= len(prompt) - 1:
                 c.generated += 1
                 c.top1_mismatch += int(int(tf.best[k]) != tf.tokens[k + 1])
@@ -229,38 +234,54 @@ class WorkloadJudge:
                 self.coverage.failures.append(bad)
 
     def _explain(self, model, tf, failing: list[Row]) -> set[int]:
-        """Rows among ``failing`` that a branch of near-tie routing flips puts within bounds."""
+        """Rows among ``failing`` that a branch of near-tie routing flips puts within bounds. Per failing row, the
+        flip sets tried: every non-empty subset of the near ties at its own position (the decisions that move
+        it most), then those with every near tie before it flipped too; at most MAX_BRANCHES forwards."""
+        from itertools import combinations
+
+        from reference_impl.truth.instrument import slot
+
         ties = sorted((t, s) for t, s, gap, var in tf.routes if gap <= self.bound(var))
         if not ties:
             return set()
-        flips = {}
         seq = tf.tokens
         _, routes = model.branch(seq[:1], seq[1:], {})
-        from reference_impl.truth.instrument import slot
-
+        flips = {}
         for d in routes:
             s = slot(model.cfg, d.layer, d.kind)
             for t in range(len(d.flips)):
                 flips[(s, t)] = d.flips[t]
-        todo, explained, spent = {r.row for r in failing}, set(), 0
-        branches = [{(s, t): flips[(s, t)]} for t, s in ties if (s, t) in flips]
-        branches.append({(s, t): flips[(s, t)] for t, s in ties if (s, t) in flips})  # every tie at once
-        for forced in branches:
-            if spent >= MAX_BRANCHES or not todo:
-                break
-            logits, _ = model.branch(seq[:1], seq[1:], forced)
-            spent += 1
-            lps = torch.log_softmax(logits, -1)
-            for r in failing:
-                if r.row in todo and min(t for s, t in forced) <= r.row:
-                    # as the golden comparison's branches (conformance/server/golden.py): the token within its
-                    # gap bound of the branch's best, its logprob within the logprob and gap bounds
+        todo = {r.row: r for r in failing}
+        explained, spent, tried = set(), 0, set()
+        for row in sorted(todo):
+            here = [(s, t) for t, s in ties if t == row and (s, t) in flips]
+            before = {(s, t): flips[(s, t)] for t, s in ties if t < row and (s, t) in flips}
+            sets = [dict((k, flips[k]) for k in c) for n in range(1, len(here) + 1) for c in combinations(here, n)]
+            sets += [{**before, **c} for c in sets + [{}] if before]
+            for forced in sets:
+                key = tuple(sorted(forced))
+                if row in explained or spent >= MAX_BRANCHES or key in tried:
+                    continue
+                tried.add(key)
+                logits, _ = model.branch(seq[:1], seq[1:], forced)
+                spent += 1
+                lps = torch.log_softmax(logits, -1)
+                first = min(t for s, t in forced)
+                for r in todo.values():  # a branch may explain other rows after its first flip too
+                    if r.row in explained or r.row < first:
+                        continue
+                    # as the golden comparison's branches (conformance/server/golden.py): a token the engine
+                    # chose within its gap bound of the branch's best and its logprob within the logprob and gap
+                    # bounds; a prompt token (nobody chose it) its logprob within the logprob bound
                     lp = float(lps[r.row, seq[r.row + 1]])
-                    gap = float(logits[r.row].max() - logits[r.row, seq[r.row + 1]])
                     lp_bound = self.bound(tf.logprob_var[r.row])
-                    gap_bound = self.bound(tf.gap_var[r.row]) if float(tf.gap_var[r.row]) > 0 else lp_bound
-                    if gap <= gap_bound and abs(r.engine - lp) <= lp_bound + gap_bound:
-                        todo.discard(r.row)
+                    if r.row < tf.prompt_len - 1:
+                        ok = abs(r.engine - lp) <= lp_bound
+                    else:
+                        gap = float(logits[r.row].max() - logits[r.row, seq[r.row + 1]])
+                        gap_bound = self.bound(tf.gap_var[r.row]) if float(tf.gap_var[r.row]) > 0 else lp_bound
+                        ok = gap <= gap_bound and abs(r.engine - lp) <= lp_bound + gap_bound
+                    if ok:
                         explained.add(r.row)
         if explained:
             self.coverage.notes.append(f"{len(explained)} position(s) of one answer within bounds on a branch of "

@@ -2,7 +2,8 @@
 the engine computes forwards of exactly the planned token counts, every answer judged position by position
 (:mod:`conformance.server.workload_judge`), the coverage map written next to the reports.
 
-Order: weight set ``a`` (reloaded first where the API can); prefills one request at a time (M = the prompt's
+Order (after the scenarios' common start: weight set ``a`` reloaded where the API can, checked against the
+fresh start-up and the golden outputs): prefills one request at a time (M = the prompt's
 length, then decode at M = 1); explicit batches of the short prompt pool (decode at M = the batch); one batch
 repeated (identical answers are observed, each judged); mixed traffic (short requests decoding while a long
 prompt arrives: the engine may put prefill chunks and decode rows in one forward); then, where the API can
@@ -46,7 +47,7 @@ def run_workload(ctx, workload: Workload, vocab_size: int, max_positions: int, d
     truth = ctx.model.truth_model
     exact = {"a": exact_model(truth.a, device), "b": exact_model(truth.b, device)}
     coverage = Coverage(workload.name)
-    judge = WorkloadJudge(exact, coverage, ctx.tp)
+    judge = WorkloadJudge(exact, coverage, ctx.tp, workload.probes)
     pool = workload.prompts(vocab_size, workload.short_length, workload.pool_size, "pool")
     can_reload = not client.missing(("reload_weights",))
 
@@ -70,8 +71,6 @@ def run_workload(ctx, workload: Workload, vocab_size: int, max_positions: int, d
                 judge.judge(answer, p)
         return answers if judge_now else list(zip(answers, plan))
 
-    if can_reload:
-        assert client.reload_weights(ctx.model.a).success, f"{ctx.name}: reloading weight set a failed"
     for length in workload.prefill_lengths:  # M = length, alone
         prompt = workload.prompts(vocab_size, length, 1, "prefill")[0]
         send([prompt], [Planned(f"prefill of {length} tokens (alone)", "a", length, 1)])
@@ -120,7 +119,7 @@ def _mixed(workload: Workload, pool, send, vocab_size: int) -> list:
     """Short requests decoding while a long prompt arrives: their answers and plans (judged by the caller, one
     at a time)."""
     long_len, shorts = workload.mixed
-    long_prompt = workload.prompts(vocab_size, long_len, 1, "mixed")[0]
+    long_prompt = workload.prompts(vocab_size, long_len, 1, "prefill")[0]  # the prefill's prompt of that length
     with ThreadPoolExecutor(max_workers=shorts + 1, thread_name_prefix="mixed") as ex:
         futures = [ex.submit(send, [pool[i]], [Planned(f"mixed: short request {i}", "a", workload.short_length,
                                                        shorts + 1)], False) for i in range(shorts)]

@@ -1,0 +1,88 @@
+"""The workload scenario can fail where the fixed scenarios cannot: servers right at the scenarios' sizes and
+wrong above them (tests/mutant_servers.py: a large-M tile dropping a K block, a batch bucket serving stale
+weights after a reload, an MoE expert workspace of 32 tokens) are failed with the bucket named, while a correct
+server whose reduction order changes by bucket passes. A small workload (:data:`MINI`) reaches each class on
+the fixtures; the fixed scenarios' own verdict on the same mutants is checked too (they pass them)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conformance.server.dialects import make_dialect
+from conformance.server.launcher import ServerProcess
+from conformance.server.models import ModelCatalog
+from conformance.server.scenarios import SCENARIOS_BY_ID, run_scenario, workload_scenario
+from conformance.server.workloads import Workload, load
+
+pytestmark = pytest.mark.integration
+
+MUTANT_SCRIPT = Path(__file__).resolve().parent / "mutant_servers.py"
+TEMPLATE = ("{python} %s --mutant {mutant} --model-path {model_path} --tokenizer-path {tokenizer_path} --port {port} "
+            "--tp 1 --device cpu" % MUTANT_SCRIPT)
+
+#: one prefill above the mutants' 128-token threshold, one decode batch at 17, a reload served at 17
+MINI = Workload(name="mini", prefill_lengths=(5, 129), decode_batches=(2, 17), short_length=4, continuation=6,
+                repeat=(2, 2), mixed=(33, 2), reload_batches=(17,))
+
+CASES = [
+    # (mutant, family, caught, what the failure must name)
+    ("large_prefill_drops_k_block", "dense-nvfp4_awq", True, r"prefill M 129-256"),
+    ("large_batch_stale_after_reload", "dense-nvfp4_awq", True, r"decode M 17-32, after a reload of b"),
+    ("moe_expert_workspace_32", "moe-w4a16_nvfp4", True, r"prefill M 129-256"),
+    ("bucketed_reduction_order", "dense-nvfp4_awq", False, ""),
+]
+
+
+@pytest.fixture(scope="module")
+def catalog():
+    return ModelCatalog([], None, [], None)
+
+
+@pytest.mark.parametrize("mutant,family,caught,match", CASES, ids=[c[0] for c in CASES])
+def test_workload_judges_every_bucket(catalog, mutant, family, caught, match, tmp_path):
+    model = catalog.served(family)
+    truths = {s: catalog.truth(model, s) for s in ("a", "b")}
+    server = ServerProcess(TEMPLATE, 240.0, mutant=mutant, model_path=model.a, tokenizer_path=model.tokenizer, tp=1)
+    try:
+        client = make_dialect("sglang", server.url)
+        scenario = workload_scenario(MINI, "cpu", tmp_path)
+        if caught:
+            with pytest.raises(AssertionError, match=match):
+                run_scenario(scenario, client, model, truths, timeout_s=900)
+            # the fixed scenarios never reach these sizes: they pass the same server
+            if mutant == "large_batch_stale_after_reload":
+                run_scenario(SCENARIOS_BY_ID["reload_different_weights"], client, model, truths, timeout_s=300)
+        else:
+            result = run_scenario(scenario, client, model, truths, timeout_s=900)
+            assert result.compared > 0
+        coverage = next(tmp_path.glob("coverage-*.json"))  # written pass or fail
+        assert '"status": "not reached"' not in coverage.read_text()
+    finally:
+        server.stop()
+
+
+def test_workload_files_are_checked(tmp_path):
+    """A workload file: fields checked by name, a bad one a clear error; the built-ins as documented."""
+    good = tmp_path / "mine.toml"
+    good.write_text("prefill_lengths = [1, 300]\ndecode_batches = [1, 64]\nshort_length = 8\ncontinuation = 64\n"
+                    "repeat = [8, 2]\nmixed = [300, 4]\nreload_batches = [64]\n")
+    w = load(str(good))
+    assert w.name == "mine" and w.pool_size == 64 and w.prefill_lengths == (1, 300)
+    with pytest.raises(ValueError, match="exceeds the model's 256 positions"):
+        w.check(max_positions=256)
+    bad = tmp_path / "bad.toml"
+    bad.write_text("prefill_lengths = [0]\n")
+    with pytest.raises(ValueError, match="missing fields"):
+        load(str(bad))
+    bad.write_text(good.read_text() + "decode_batchs = [3]\n")
+    with pytest.raises(ValueError, match="unknown fields \\['decode_batchs'\\]"):
+        load(str(bad))
+    bad.write_text(good.read_text().replace("[1, 64]", "[0, 64]"))
+    with pytest.raises(ValueError, match="decode_batches must hold integers >= 1"):
+        load(str(bad))
+    with pytest.raises(ValueError, match="not a built-in"):
+        load("no-such-workload")
+    std = load("standard")
+    assert max(std.prefill_lengths) >= 8193 and max(std.decode_batches) >= 257 and std.continuation >= 64
+    assert load("quick").check(max_positions=256) is None
