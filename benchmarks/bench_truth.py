@@ -162,6 +162,15 @@ def main() -> None:
     ap.add_argument("--shapes", default="fixtures," + ",".join(PLANS))
     ap.add_argument("--tiny", action="store_true", help="toy dimensions (checks the benchmark itself)")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here (appended as measured)")
+    ap.add_argument("--workload", default=None,
+                    help="instead: the truth of a workload's judged sequences (quick, standard or a TOML file) on "
+                         "--checkpoint, against its floor measured in the same run (benchmarks/truth_workload.py)")
+    ap.add_argument("--checkpoint", default=None, help="--workload: the checkpoint (default: the fixture dense-nvfp4_awq-a)")
+    ap.add_argument("--budget-s", type=float, default=300.0, help="--workload: truth time spent before projecting")
+    ap.add_argument("--chunk", type=int, default=64, help="--workload: sequences per call (budget checked between)")
+    ap.add_argument("--max-rows", type=int, default=None,
+                    help="--workload: rows (sequences x probes x tokens) of one probed pass (memory; default: "
+                         "reference_impl/truth/probes.py MAX_ROWS)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--vocab", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -170,6 +179,20 @@ def main() -> None:
     device = a.device or default_device()
     if a.child:
         print(json.dumps(measure(a.child, device, a.vocab)))
+        return
+    if a.workload:
+        from benchmarks import truth_workload
+        from fixtures.make_checkpoints import ensure_checkpoints
+
+        path = a.checkpoint or str(ensure_checkpoints() / "dense-nvfp4_awq-a")
+        if a.max_rows:
+            import reference_impl.truth.probes as probes
+
+            probes.MAX_ROWS = a.max_rows
+        row = truth_workload.run(path, a.workload, device, a.budget_s, chunk=a.chunk)
+        print(json.dumps(row))
+        print(f"\ntruth device {device}; {path}")
+        print(truth_workload.table(row))
         return
 
     def log(row):

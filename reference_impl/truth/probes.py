@@ -43,6 +43,8 @@ from .stores import TP_SIZES, error_weights
 DEFAULT_PROBES = 64
 U_BF16 = 2.0 ** -8
 U_ACCUM = 2.0 ** -23
+#: weight-rounding draws made at once (fp64 elements: 2 GiB): a large model's replicas are drawn in groups
+WEIGHT_DRAW_ELEMENTS = 1 << 28
 #: the exact bound's multiplier (conformance/server/bounds.py GOLDEN_LAMBDA): the risk both bounds share
 BASE_LAMBDA = 6.0
 
@@ -94,8 +96,8 @@ class Probe:
     def _randn(self, shape, like: torch.Tensor) -> torch.Tensor:
         # float32 normals (3x faster to draw than fp64): their quantization (2^-24 relative) and Box-Muller's
         # float32 tail (|g| < 5.8) move the variance by < 1e-6 relative, nothing against the chi^2 spread
-        g = torch.randn(shape, dtype=torch.float32, generator=self.generator)
-        return g.to(device=like.device, dtype=torch.float64)
+        g = torch.randn(shape, dtype=torch.float32, generator=self.generator, device=like.device)
+        return g.to(torch.float64)
 
     def perturb(self, kind: str, value: torch.Tensor, info, n: int, reduced: bool) -> torch.Tensor:
         primal, upstream = fwAD.unpack_dual(value)
@@ -138,10 +140,11 @@ class Probe:
         every replica's input is the same); else rows of every replica, ``info[2]`` their flat positions."""
         x, w_abs, w_awq = operands  # x signed: the rounded weight's effect on y_tn is x_tk dW_nk
         k = self.replicas
-        noisy = self._randn((k, *w_abs.shape), w_abs).mul_(U_BF16 * w_abs)                 # [K, N, K_in]
+        group = max(1, min(k, WEIGHT_DRAW_ELEMENTS // w_abs.numel()))  # replicas whose weight draws are made at once
         if shared:  # x: [S * T, K_in], replica 0 of each sequence
             x3 = x.reshape(self.sequences, self.tokens, -1)
-            out = torch.einsum("stc,knc->sktn", x3, noisy)                                # [S, K, T, N]
+            out = torch.cat([torch.einsum("stc,knc->sktn", x3, self._randn((min(group, k - lo), *w_abs.shape), w_abs)
+                                          .mul_(U_BF16 * w_abs)) for lo in range(0, k, group)], dim=1)  # [S, K, T, N]
             if w_awq is not None:  # the AWQ input x * pre_quant_scale rounded: one variable per element
                 out = out + (U_BF16 * x3.abs()[:, None] * self._randn((self.sequences, k, *x3.shape[1:]), x3)) @ w_awq.T
             return out
@@ -149,19 +152,22 @@ class Probe:
         batch = torch.div(rows, self.tokens, rounding_mode="floor")  # sequence * K + replica
         seq, replica = torch.div(batch, k, rounding_mode="floor"), batch % k
         out = x.new_zeros(x.shape[0], w_abs.shape[0])
-        stacked = noisy.transpose(1, 2)                                                  # [K, K_in, N]
-        for s_ in seq.unique().tolist():
-            sel = (seq == s_).nonzero()[:, 0]
-            order = sel[torch.argsort(replica[sel], stable=True)]
-            n = len(order) // k
-            if n * k == len(order) and bool((replica[order].view(k, n) == torch.arange(k, device=x.device)[:, None]).all()):
-                # every replica routes the same tokens here (their primal is the same): one batched product
-                out[order] = torch.bmm(x[order].view(k, n, -1), stacked).reshape(k * n, -1)
-            else:
-                for r in range(k):
-                    part = sel[replica[sel] == r]
-                    if len(part):
-                        out[part] = x[part] @ noisy[r].T
+        for lo in range(0, k, group):
+            hi = min(k, lo + group)
+            stacked = self._randn((hi - lo, *w_abs.shape), w_abs).mul_(U_BF16 * w_abs).transpose(1, 2)  # [g, K_in, N]
+            for s_ in seq.unique().tolist():
+                sel = ((seq == s_) & (replica >= lo) & (replica < hi)).nonzero()[:, 0]
+                order = sel[torch.argsort(replica[sel], stable=True)]
+                n = len(order) // (hi - lo)
+                expected = torch.arange(lo, hi, device=x.device)[:, None]
+                if n and n * (hi - lo) == len(order) and bool((replica[order].view(hi - lo, n) == expected).all()):
+                    # every replica routes the same tokens here (their primal is the same): one batched product
+                    out[order] = torch.bmm(x[order].view(hi - lo, n, -1), stacked).reshape((hi - lo) * n, -1)
+                else:
+                    for r in range(lo, hi):
+                        part = sel[replica[sel] == r]
+                        if len(part):
+                            out[part] = x[part] @ stacked[r - lo]
         if w_awq is not None:
             out = out + (U_BF16 * x.abs() * self._randn(x.shape, x)) @ w_awq.T
         return out
@@ -202,15 +208,23 @@ MAX_ROWS = 1 << 16
 
 
 def probe_sequences(truth, seqs: list[list[int]], probes: int = DEFAULT_PROBES, tp: int = 1, seed: int = 0,
-                    max_rows: int = MAX_ROWS) -> list[Probed]:
+                    max_rows: int | None = None) -> list[Probed]:
     """Forward-mode probes of each sequence through ``truth`` (a :class:`reference_impl.truth.engine.TruthModel`):
     sequences of equal length share a pass (at most ``max_rows`` rows), the layers one at a time (weights
     streamed once per pass), ``probes`` replicas of each. The draws depend on ``seed`` and the batching."""
+    max_rows = max_rows or MAX_ROWS
     out: list[Probed | None] = [None] * len(seqs)
     by_length: dict[int, list[int]] = {}
     for i, s in enumerate(seqs):
         by_length.setdefault(len(s), []).append(i)
     for t, idx in sorted(by_length.items()):
+        group = max(1, min(probes, max_rows // t))  # replicas per pass
+        if group < probes:  # a long sequence: its replicas in groups, independent draws each (seeded apart)
+            for i in idx:
+                parts = [_probe_pass(truth, [seqs[i]], min(group, probes - lo), tp, seed + 7919 * (lo // group + 1))[0]
+                         for lo in range(0, probes, group)]
+                out[i] = _joined(parts)
+            continue
         per = max(1, max_rows // (probes * t))
         for lo in range(0, len(idx), per):
             part = idx[lo:lo + per]
@@ -219,12 +233,18 @@ def probe_sequences(truth, seqs: list[list[int]], probes: int = DEFAULT_PROBES, 
     return out
 
 
+def _joined(parts: list[Probed]) -> Probed:
+    """One sequence's probes from passes over groups of its replicas (the same primal in each)."""
+    routes = [(d, gaps, torch.cat([p.routes[n][2] for p in parts])) for n, (d, gaps, _) in enumerate(parts[0].routes)]
+    return Probed(parts[0].logits, torch.cat([p.tangents for p in parts]), routes)
+
+
 def probe_sequence(truth, ids: list[int], probes: int = DEFAULT_PROBES, tp: int = 1, seed: int = 0) -> Probed:
     return probe_sequences(truth, [ids], probes, tp, seed)[0]
 
 
 def _probe_pass(truth, seqs: list[list[int]], probes: int, tp: int, seed: int) -> list[Probed]:
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=truth.device).manual_seed(seed)
     n, t = len(seqs), len(seqs[0])
     probe = Probe(probes, t, tp, gen, sequences=n)
     routes: list[RouteDecision] = []

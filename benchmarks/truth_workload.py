@@ -1,0 +1,138 @@
+"""``bench_truth.py --workload NAME``: the truth of a workload's judged sequences (teacher forcing with
+forward-mode probes, reference_impl/truth/probes.py) against its physical floor, measured in the same run.
+
+The floor: the fp64 FLOPs of one teacher-forced forward and one backward pass (2x the forward) over every judged
+token, over the device's measured fp64 GEMM rate, plus the checkpoint's bytes over the measured cold-read disk
+rate. Forward FLOPs per sequence of T tokens: ``2 T P`` (P: the parameters of the linears a token passes,
+LM head included; MoE: the routed and shared experts it reaches) plus attention ``2 * 2 * L * d * T (T + 1) / 2``
+(scores and values, causal; d = heads x head dim).
+
+The judged sequences: each prefill prompt with its continuation, the short-prompt pool (a correct engine gives a
+prompt the same continuation in every batch, so the pool is judged once per weight set), the pool again on
+weight set ``b`` and the longest prefill on ``b`` (the mixed traffic's long prompt is the prefill prompt of that
+length). Continuations are random token ids (teacher forcing costs the same for any tokens).
+
+The truth is run on the sequences in order of length (``chunk`` sequences of one length at a time, sharing
+probed passes) until ``--budget-s`` is spent; the projection for the whole
+workload scales the measured time by the floor FLOPs of all sequences over those of the sequences done.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+
+def judged_sequences(workload, vocab: int) -> dict[str, list[tuple[list[int], list[int]]]]:
+    g = torch.Generator().manual_seed(workload.seed)
+
+    def cont() -> list[int]:
+        return torch.randint(0, vocab, (workload.continuation,), generator=g).tolist()
+
+    prefills = [(workload.prompts(vocab, n, 1, "prefill")[0], cont()) for n in workload.prefill_lengths]
+    pool = [(p, cont()) for p in workload.prompts(vocab, workload.short_length, workload.pool_size, "pool")]
+    longest = max(workload.prefill_lengths)
+    b_pool = pool[:max(workload.reload_batches)]
+    return {"a": prefills + pool, "b": b_pool + [(workload.prompts(vocab, longest, 1, "prefill")[0], cont())]}
+
+
+def forward_flops(cfg: dict, tokens: int) -> float:
+    h, L, v = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    heads = cfg["num_attention_heads"]
+    hd = cfg.get("head_dim") or h // heads
+    kv = cfg.get("num_key_value_heads", heads)
+    attn_params = h * hd * (heads + 2 * kv) + heads * hd * h
+    if cfg.get("num_experts") or cfg.get("n_routed_experts"):
+        k = cfg.get("num_experts_per_tok", 1)
+        mlp_params = 3 * h * cfg["moe_intermediate_size"] * (k + cfg.get("n_shared_experts", 0))
+    else:
+        mlp_params = 3 * h * cfg["intermediate_size"]
+    linear = L * (attn_params + mlp_params) + h * v
+    return 2.0 * tokens * linear + 2.0 * 2 * L * heads * hd * tokens * (tokens + 1) / 2
+
+
+def gemm_rate(device: str, n: int = 4096, reps: int = 5) -> float:
+    """Measured fp64 GEMM FLOP/s on ``device``."""
+    a = torch.randn(n, n, dtype=torch.float64, device=device)
+    b = torch.randn(n, n, dtype=torch.float64, device=device)
+    a @ b
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    sync()
+    t = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    sync()
+    return 2.0 * n ** 3 * reps / (time.perf_counter() - t)
+
+
+def disk_rate(files: list[Path]) -> tuple[float, int]:
+    """Cold read rate (bytes/s) of ``files`` and their total bytes."""
+    from benchmarks.make_truth_models import drop_page_cache
+
+    drop_page_cache(files)
+    total, t = 0, time.perf_counter()
+    for f in files:
+        with open(f, "rb", buffering=0) as fh:
+            while chunk := fh.read(64 << 20):
+                total += len(chunk)
+    return total / (time.perf_counter() - t), total
+
+
+def run(path: str, workload_name: str, device: str, budget_s: float, b_path: str | None = None,
+        chunk: int = 64) -> dict:
+    from conformance.server.workloads import load
+    from reference_impl.golden import ExactModel
+
+    workload = load(workload_name)
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    seqs = judged_sequences(workload, cfg["vocab_size"])
+    all_seqs = [(ws, p, c) for ws in ("a", "b") for p, c in seqs[ws]]
+    flops = {id(x): 3 * forward_flops(cfg, len(x[1]) + len(x[2])) for x in all_seqs}  # forward + backward
+    rate = gemm_rate(device)
+    files = sorted(Path(path).glob("*.safetensors"))
+    disk, size = disk_rate(files)
+    total_flops = sum(flops.values())
+    floor_s = total_flops / rate + size / disk
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    models = {"a": ExactModel(path, device)}
+    models["b"] = ExactModel(b_path, device) if b_path else models["a"]  # same shape: the cost is the same
+    done_flops, done, tokens = 0.0, 0, 0
+    groups: dict[tuple[str, int], list] = {}  # sequences of one weight set and length share probed passes
+    for x in all_seqs:
+        groups.setdefault((x[0], len(x[1]) + len(x[2])), []).append(x)
+    for (ws, n), group in sorted(groups.items(), key=lambda kv: kv[0][1]):
+        for lo in range(0, len(group), chunk):
+            if time.perf_counter() - t0 > budget_s:
+                break
+            part = group[lo:lo + chunk]
+            models[ws].teacher_forced_many([(p, c) for _, p, c in part], workload.probes)
+            done_flops += sum(flops[id(x)] for x in part)
+            done += len(part)
+            tokens += n * len(part)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    import resource
+
+    return {"workload": workload.name, "probes": workload.probes, "sequences": len(all_seqs), "done": done,
+            "tokens_done": tokens, "tokens": sum(len(p) + len(c) for _, p, c in all_seqs),
+            "gemm_tflops": rate / 1e12, "disk_gb_s": disk / 1e9, "checkpoint_gb": size / 1e9,
+            "floor_s": floor_s, "truth_s_done": wall, "floor_s_done": done_flops / rate + size / disk,
+            "projected_s": wall * total_flops / max(done_flops, 1.0),
+            "peak_gpu_gib": torch.cuda.max_memory_reserved() / 2**30 if device.startswith("cuda") else 0.0,
+            "peak_host_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+
+def table(r: dict) -> str:
+    return "\n".join([
+        "| workload | probes | sequences (done) | tokens (done) | fp64 GEMM TFLOP/s | disk GB/s | floor s | "
+        "truth s (done) | floor s (done) | projected s | projected / floor | peak GPU GiB | peak host GiB |",
+        "|" + " --- |" * 13,
+        f"| {r['workload']} | {r['probes']} | {r['sequences']} ({r['done']}) | {r['tokens']} ({r['tokens_done']}) | "
+        f"{r['gemm_tflops']:.1f} | {r['disk_gb_s']:.2f} | {r['floor_s']:.1f} | {r['truth_s_done']:.1f} | "
+        f"{r['floor_s_done']:.1f} | {r['projected_s']:.0f} | {r['projected_s'] / r['floor_s']:.1f} | "
+        f"{r['peak_gpu_gib']:.1f} | {r['peak_host_gib']:.1f} |"])
