@@ -335,14 +335,10 @@ class ExactModel:
         found = {k: self._answers[k][0] for k in keys if k in self._answers}
         todo = list(dict.fromkeys(k for k in keys if k not in found))
         seqs = [list(k[1]) + list(k[2]) for k in todo]
-        for k, seq, probed in zip(todo, seqs, probe_sequences(self.truth, [q[:-1] for q in seqs], probes, tp, seed)):
-            rows = torch.arange(len(seq) - 1)
-            nxt = torch.tensor(seq[1:])
-            lp, lp_var = probed.logprob(rows, nxt)
-            best = probed.logits.argmax(-1)
-            gap, gap_var = probed.gap(rows, best, nxt)
-            answer = TeacherForced(len(k[1]), seq, lp.cpu(), lp_var.cpu(), best.cpu(), gap.cpu(), gap_var.cpu(),
-                                   route_outputs(self.cfg, probed), probes, tp)
+        probed_all = probe_sequences(self.truth, [q[:-1] for q in seqs], [q[1:] for q in seqs], probes, tp, seed)
+        for k, seq, probed in zip(todo, seqs, probed_all):
+            answer = TeacherForced(len(k[1]), seq, probed.logprob, probed.logprob_var, probed.best, probed.gap,
+                                   probed.gap_var, route_outputs(self.cfg, probed), probes, tp)
             found[k] = self._memo(k, lambda answer=answer: answer)
         for k in keys:
             if k in self._answers:

@@ -53,8 +53,9 @@ def _mean_ratios(family: str, tp: int, probes: int, seeds: int):
     exact = [_exact(tm, s, tp) for s in seqs]
     ratios, route_ratios = [[] for _ in seqs], []
     for seed in range(seeds):
-        for i, (p, s) in enumerate(zip(probe_sequences(tm, seqs, probes, tp, seed), seqs)):
-            values, v_hat = p.logprob(torch.arange(len(s) - 1), torch.tensor(s[1:]))
+        probed = probe_sequences(tm, [s[:-1] for s in seqs], [s[1:] for s in seqs], probes, tp, seed)
+        for i, (p, s) in enumerate(zip(probed, seqs)):
+            values, v_hat = p.logprob, p.logprob_var
             assert torch.allclose(values, exact[i][0][:len(s) - 1], rtol=0, atol=1e-12)  # the same fp64 values
             ratios[i].append(v_hat / exact[i][1][:len(s) - 1])
             if exact[i][2]:

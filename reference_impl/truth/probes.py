@@ -175,31 +175,31 @@ class Probe:
 
 @dataclass
 class Probed:
-    """One sequence probed: the reference's logits ``[T, V]`` (fp64), their tangents ``[K, T, V]``, and every
-    routing decision with its gaps' tangents."""
+    """One sequence probed against its targets (row ``r``: ``targets[r]``, the token that follows it): per row the
+    reference's logprob of the target, its best token, the logit gap ``logit(best) - logit(target)`` (0 where they
+    are the same), the variance estimates ``V_hat`` of the logprob and the gap, and every routing decision
+    ``(decision, gaps [T], V_hat [T])``."""
 
-    logits: torch.Tensor
-    tangents: torch.Tensor
-    routes: list[tuple[RouteDecision, torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (decision, gaps [T], tangents [K, T])
+    logprob: torch.Tensor
+    logprob_var: torch.Tensor
+    best: torch.Tensor
+    gap: torch.Tensor
+    gap_var: torch.Tensor
+    probes: int
+    routes: list = field(default_factory=list)
 
-    @property
-    def probes(self) -> int:
-        return int(self.tangents.shape[0])
 
-    def logprob(self, rows: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(log_softmax(logits[r])[tok], V_hat)`` for each ``(rows[i], tokens[i])``."""
-        lse = torch.logsumexp(self.logits[rows], -1)
-        p = torch.softmax(self.logits[rows], -1)                       # [R, V]
-        z = self.tangents[:, rows]                                     # [K, R, V]
-        dz = z.gather(2, tokens.expand(z.shape[0], -1)[..., None])[..., 0] - (z * p).sum(-1)
-        return self.logits[rows, tokens] - lse, dz.pow(2).mean(0)
+def _joined(parts: list[Probed]) -> Probed:
+    """One sequence's probes from passes over groups of its replicas (the same primal in each): the variance
+    estimates are means of squares, so the groups' are averaged by their sizes."""
+    k = sum(p.probes for p in parts)
 
-    def gap(self, rows: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(logits[r, first] - logits[r, second], V_hat)`` for each row."""
-        z = self.tangents[:, rows]
-        k = z.shape[0]
-        dz = z.gather(2, first.expand(k, -1)[..., None])[..., 0] - z.gather(2, second.expand(k, -1)[..., None])[..., 0]
-        return self.logits[rows, first] - self.logits[rows, second], dz.pow(2).mean(0)
+    def mean(values):
+        return sum(v * p.probes for v, p in zip(values, parts)) / k
+    first = parts[0]
+    routes = [(d, gaps, mean([p.routes[n][2] for p in parts])) for n, (d, gaps, _) in enumerate(first.routes)]
+    return Probed(first.logprob, mean([p.logprob_var for p in parts]), first.best, first.gap,
+                  mean([p.gap_var for p in parts]), k, routes)
 
 
 #: batch rows (sequences x replicas x tokens) of one probed pass: bounds its activations (256 MiB per
@@ -207,11 +207,12 @@ class Probed:
 MAX_ROWS = 1 << 16
 
 
-def probe_sequences(truth, seqs: list[list[int]], probes: int = DEFAULT_PROBES, tp: int = 1, seed: int = 0,
-                    max_rows: int | None = None) -> list[Probed]:
-    """Forward-mode probes of each sequence through ``truth`` (a :class:`reference_impl.truth.engine.TruthModel`):
-    sequences of equal length share a pass (at most ``max_rows`` rows), the layers one at a time (weights
-    streamed once per pass), ``probes`` replicas of each. The draws depend on ``seed`` and the batching."""
+def probe_sequences(truth, seqs: list[list[int]], targets: list[list[int]], probes: int = DEFAULT_PROBES, tp: int = 1,
+                    seed: int = 0, max_rows: int | None = None) -> list[Probed]:
+    """Forward-mode probes of each sequence through ``truth`` (a :class:`reference_impl.truth.engine.TruthModel`),
+    judged against ``targets`` (one token per position): sequences of equal length share a pass (at most
+    ``max_rows`` rows), the layers one at a time (weights streamed once per pass), ``probes`` replicas of each.
+    The draws depend on ``seed`` and the batching."""
     max_rows = max_rows or MAX_ROWS
     out: list[Probed | None] = [None] * len(seqs)
     by_length: dict[int, list[int]] = {}
@@ -221,29 +222,31 @@ def probe_sequences(truth, seqs: list[list[int]], probes: int = DEFAULT_PROBES, 
         group = max(1, min(probes, max_rows // t))  # replicas per pass
         if group < probes:  # a long sequence: its replicas in groups, independent draws each (seeded apart)
             for i in idx:
-                parts = [_probe_pass(truth, [seqs[i]], min(group, probes - lo), tp, seed + 7919 * (lo // group + 1))[0]
-                         for lo in range(0, probes, group)]
+                parts = [_probe_pass(truth, [seqs[i]], [targets[i]], min(group, probes - lo), tp,
+                                     seed + 7919 * (lo // group + 1))[0] for lo in range(0, probes, group)]
                 out[i] = _joined(parts)
             continue
         per = max(1, max_rows // (probes * t))
         for lo in range(0, len(idx), per):
             part = idx[lo:lo + per]
-            for i, p in zip(part, _probe_pass(truth, [seqs[i] for i in part], probes, tp, seed)):
+            for i, p in zip(part, _probe_pass(truth, [seqs[i] for i in part], [targets[i] for i in part], probes, tp,
+                                              seed)):
                 out[i] = p
     return out
 
 
-def _joined(parts: list[Probed]) -> Probed:
-    """One sequence's probes from passes over groups of its replicas (the same primal in each)."""
-    routes = [(d, gaps, torch.cat([p.routes[n][2] for p in parts])) for n, (d, gaps, _) in enumerate(parts[0].routes)]
-    return Probed(parts[0].logits, torch.cat([p.tangents for p in parts]), routes)
+
+def probe_sequence(truth, ids: list[int], targets: list[int], probes: int = DEFAULT_PROBES, tp: int = 1,
+                   seed: int = 0) -> Probed:
+    return probe_sequences(truth, [ids], [targets], probes, tp, seed)[0]
 
 
-def probe_sequence(truth, ids: list[int], probes: int = DEFAULT_PROBES, tp: int = 1, seed: int = 0) -> Probed:
-    return probe_sequences(truth, [ids], probes, tp, seed)[0]
+#: elements of one LM-head chunk's logits over the replicas (fp64: 1 GiB): a 128k vocabulary takes a few rows
+HEAD_ELEMENTS = 1 << 27
 
 
-def _probe_pass(truth, seqs: list[list[int]], probes: int, tp: int, seed: int) -> list[Probed]:
+def _probe_pass(truth, seqs: list[list[int]], targets: list[list[int]], probes: int, tp: int, seed: int
+                ) -> list[Probed]:
     gen = torch.Generator(device=truth.device).manual_seed(seed)
     n, t = len(seqs), len(seqs[0])
     probe = Probe(probes, t, tp, gen, sequences=n)
@@ -258,28 +261,51 @@ def _probe_pass(truth, seqs: list[list[int]], probes: int, tp: int, seed: int) -
                 with recording(rec):
                     x = truth._run(layer, x, pe)
                 routes += rec.routes
-        rec = Recorder(truth.cfg, False, probe=probe)
-        with recording(rec):
+        with recording(Recorder(truth.cfg, False, probe=probe)):
             h = truth.final_norm(x)
-            w = truth.lm_head()
-            logits = rec.store(h @ w.T, "dot", lambda: _primal(h).abs() @ w.abs().T, h.shape[-1])
-        primal, tangent = fwAD.unpack_dual(logits)
-        out = [Probed(primal[s * probes].clone(), tangent[s * probes:(s + 1) * probes].clone()) for s in range(n)]
+        del x
+        w = truth.lm_head()
+        out = [_head(truth, h[s * probes:(s + 1) * probes], w, targets[s], tp, gen) for s in range(n)]
         for d in routes:
             gp, gt = fwAD.unpack_dual(d.gaps)
             gt = gt if gt is not None else torch.zeros_like(gp)
             gp, gt = gp.reshape(n, probes, t), gt.reshape(n, probes, t)
             for s in range(n):
-                out[s].routes.append((d, gp[s, 0].clone(), gt[s].clone()))
+                out[s].routes.append((d, gp[s, 0].cpu(), gt[s].pow(2).mean(0).cpu()))
     return out
+
+
+def _head(truth, h: torch.Tensor, w: torch.Tensor, targets: list[int], tp: int, gen) -> Probed:
+    """The LM head (a BF16 ``dot`` store) of one sequence's replicas ``h [K, T, H]`` (dual), in chunks of rows,
+    reduced at once to the per-row statistics against ``targets``."""
+    k, t, width = h.shape
+    rows = max(1, HEAD_ELEMENTS // (k * w.shape[0]))
+    tg = torch.tensor(targets, device=w.device)
+    parts = []
+    for lo in range(0, t, rows):
+        hc = h[:, lo:lo + rows]
+        c = hc.shape[1]
+        rec = Recorder(truth.cfg, False, probe=Probe(k, c, tp, gen))
+        with recording(rec):
+            logits = rec.store(hc @ w.T, "dot", lambda: _primal(hc[:1]).abs() @ w.abs().T, width)
+        primal, z = fwAD.unpack_dual(logits)
+        p0, tc = primal[0], tg[lo:lo + c]
+        lp = p0.gather(1, tc[:, None])[:, 0] - torch.logsumexp(p0, -1)
+        dz = z.gather(2, tc.expand(k, -1)[..., None])[..., 0] - (z * torch.softmax(p0, -1)).sum(-1)
+        best = p0.argmax(-1)
+        gap = p0.gather(1, best[:, None])[:, 0] - p0.gather(1, tc[:, None])[:, 0]
+        dg = z.gather(2, best.expand(k, -1)[..., None])[..., 0] - z.gather(2, tc.expand(k, -1)[..., None])[..., 0]
+        parts.append((lp, dz.pow(2).mean(0), best, gap, dg.pow(2).mean(0)))
+        del logits, primal, z
+    cat = [torch.cat([p[i] for p in parts]).cpu() for i in range(5)]
+    return Probed(cat[0], cat[1], cat[2], cat[3], cat[4], k)
 
 
 def route_outputs(cfg, probed: Probed) -> list[tuple[int, int, float, float]]:
     """Every finite routing decision: ``(position, slot, gap, V_hat)``."""
     out = []
-    for d, gaps, tangents in probed.routes:
+    for d, gaps, var in probed.routes:
         s = slot(cfg, d.layer, d.kind)
-        var = tangents.pow(2).mean(0)
         for pos in torch.isfinite(gaps).nonzero()[:, 0].tolist():
             out.append((pos, s, float(gaps[pos]), float(var[pos])))
     return out
