@@ -282,21 +282,22 @@ def _head(truth, h: torch.Tensor, w: torch.Tensor, targets: list[int], tp: int, 
     rows = max(1, HEAD_ELEMENTS // (k * w.shape[0]))
     tg = torch.tensor(targets, device=w.device)
     parts = []
+    h_primal, h_tangent = fwAD.unpack_dual(h)
     for lo in range(0, t, rows):
-        hc = h[:, lo:lo + rows]
-        c = hc.shape[1]
-        rec = Recorder(truth.cfg, False, probe=Probe(k, c, tp, gen))
-        with recording(rec):
-            logits = rec.store(hc @ w.T, "dot", lambda: _primal(hc[:1]).abs() @ w.abs().T, width)
-        primal, z = fwAD.unpack_dual(logits)
-        p0, tc = primal[0], tg[lo:lo + c]
+        hp, ht = h_primal[:1, lo:lo + rows], h_tangent[:, lo:lo + rows]
+        c = hp.shape[1]
+        p0 = (hp @ w.T)[0]                                  # the replicas' primal is one: computed once
+        # the linearised head by hand (the tangent through the product, then the store's own draws)
+        store = Probe(k, c, tp, gen).perturb("dot", p0.expand(k, c, -1), lambda: hp.abs() @ w.abs().T, width, False)
+        z = fwAD.unpack_dual(store).tangent + ht @ w.T
+        tc = tg[lo:lo + c]
         lp = p0.gather(1, tc[:, None])[:, 0] - torch.logsumexp(p0, -1)
         dz = z.gather(2, tc.expand(k, -1)[..., None])[..., 0] - (z * torch.softmax(p0, -1)).sum(-1)
         best = p0.argmax(-1)
         gap = p0.gather(1, best[:, None])[:, 0] - p0.gather(1, tc[:, None])[:, 0]
         dg = z.gather(2, best.expand(k, -1)[..., None])[..., 0] - z.gather(2, tc.expand(k, -1)[..., None])[..., 0]
         parts.append((lp, dz.pow(2).mean(0), best, gap, dg.pow(2).mean(0)))
-        del logits, primal, z
+        del store, z
     cat = [torch.cat([p[i] for p in parts]).cpu() for i in range(5)]
     return Probed(cat[0], cat[1], cat[2], cat[3], cat[4], k)
 
