@@ -58,6 +58,7 @@ def test_workload_judges_every_bucket(catalog, mutant, family, caught, match, tm
             assert result.compared > 0
         coverage = next(tmp_path.glob("coverage-*.json"))  # written pass or fail
         assert '"status": "not reached"' not in coverage.read_text()
+        assert coverage.with_suffix(".md").is_file() and coverage.with_suffix(".png").stat().st_size > 0
     finally:
         server.stop()
 

@@ -83,6 +83,7 @@ def error_weights(kind: str, value: torch.Tensor, info, n: int, reduced: bool, t
         x, w = info[0], info[1]
         x = x.reshape(-1, x.shape[-1])
         if kind != "linear_exact":
+            x, w = x.detach(), w.detach()  # kept for the backward's weight terms: never part of the graph
             weight_operands = (x, w.abs(), w if kind == "linear_awq" else None)
         accum = ((n + 2) * (x.abs() @ w.abs().T)).pow(2).reshape(value.shape)
         if reduced:
