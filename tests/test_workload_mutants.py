@@ -22,8 +22,8 @@ TEMPLATE = ("{python} %s --mutant {mutant} --model-path {model_path} --tokenizer
             "--tp 1 --device cpu" % MUTANT_SCRIPT)
 
 #: one prefill above the mutants' 128-token threshold, one decode batch at 17, a reload served at 17
-MINI = Workload(name="mini", prefill_lengths=(5, 129), decode_batches=(2, 17), short_length=4, continuation=6,
-                repeat=(2, 2), mixed=(33, 2), reload_batches=(17,))
+MINI = Workload(name="mini", prefill_lengths=(5, 129), decode_batches=(2, 17), short_length=4, continuation=4,
+                repeat=(2, 2), mixed=(33, 2), reload_batches=(17,), probes=32)
 
 CASES = [
     # (mutant, family, caught, what the failure must name)
