@@ -429,6 +429,21 @@ def large_prefill_drops_k_block() -> dict:
     return {}
 
 
+def large_decode_batch_drops_k_block() -> dict:
+    """The same tile fault in the decode: forwards of 17 or more running sequences compute every linear without
+    its last 16 input columns (the scenarios decode at most 8 at once)."""
+    _track_forwards()
+    original = TinyModel.linear
+
+    def linear(self, x, prefix):
+        if _FORWARD["phase"] == "decode" and _FORWARD["m"] >= 17:
+            x = x.clone()
+            x[..., -16:] = 0
+        return original(self, x, prefix)
+    TinyModel.linear = linear
+    return {}
+
+
 def large_batch_stale_after_reload() -> dict:
     """A batch bucket captured at start-up (a CUDA graph replaying stale weight pointers): decode forwards of 17
     or more sequences keep computing with the start-up weights after a reload (the scenarios decode <= 8)."""
@@ -496,6 +511,7 @@ MUTANTS = {f.__name__: f for f in (reload_keeps_old_weights, reload_drops_awq_sc
                                    pause_aborts_in_flight_requests, dies_after_failed_reload, random_cobatching,
                                    random_cobatching_batch_variant, cobatch_variant_only, slow_3x, slows_down,
                                    drops_one_request, accepts_damaged_block_scales, large_prefill_drops_k_block,
+                                   large_decode_batch_drops_k_block,
                                    large_batch_stale_after_reload, moe_expert_workspace_32,
                                    bucketed_reduction_order)}
 

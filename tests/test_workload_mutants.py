@@ -1,6 +1,6 @@
 """The workload scenario can fail where the fixed scenarios cannot: servers right at the scenarios' sizes and
-wrong above them (tests/mutant_servers.py: a large-M tile dropping a K block, a batch bucket serving stale
-weights after a reload, an MoE expert workspace of 32 tokens) are failed with the bucket named, while a correct
+wrong above them (tests/mutant_servers.py: a large-M tile dropping a K block in the prefill or in the decode, a
+batch bucket serving stale weights after a reload, an MoE expert workspace of 32 tokens) are failed with the bucket named, while a correct
 server whose reduction order changes by bucket passes. A small workload (:data:`MINI`) reaches each class on
 the fixtures; the fixed scenarios' own verdict on the same mutants is checked too (they pass them)."""
 from __future__ import annotations
@@ -28,6 +28,7 @@ MINI = Workload(name="mini", prefill_lengths=(5, 129), decode_batches=(2, 17), s
 CASES = [
     # (mutant, family, caught, what the failure must name)
     ("large_prefill_drops_k_block", "dense-nvfp4_awq", True, r"prefill M 129-256"),
+    ("large_decode_batch_drops_k_block", "dense-nvfp4_awq", True, r"decode M 17-32, batch of 17"),
     ("large_batch_stale_after_reload", "dense-nvfp4_awq", True, r"decode M 17-32, after a reload of b"),
     ("moe_expert_workspace_32", "moe-w4a16_nvfp4", True, r"prefill M 129-256"),
     ("bucketed_reduction_order", "dense-nvfp4_awq", False, ""),
