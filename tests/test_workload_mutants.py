@@ -88,3 +88,27 @@ def test_workload_files_are_checked(tmp_path):
     std = load("standard")
     assert max(std.prefill_lengths) >= 8193 and max(std.decode_batches) >= 257 and std.continuation >= 64
     assert load("quick").check(max_positions=256) is None
+
+
+def test_coverage_map_and_failure_message(tmp_path):
+    """The coverage map's cells (passed / failed / not reached / not planned) and a failure naming its bucket,
+    phase, request and position, from a hand-made coverage."""
+    from conformance.server.workload_judge import Coverage, Planned, Row, failure_message
+
+    cov = Coverage("t")
+    for plan in (Planned("prefill of 9 tokens", "a", 9, 1), Planned("batch of 40", "a", 160, 40)):
+        cov.expect(plan)
+    cov.cell("prefill", "9-16").judged = 8
+    cov.cell("decode", "1").judged = 4
+    cov.cell("decode", "1").failed = 1
+    cov.failures.append(Row("prefill of 9 tokens", "decode", "1", 9, "logprob", -1.5, -1.0, 0.1))
+    cells = {(e["phase"], e["bucket"]): e["status"] for e in cov.as_dict()["cells"]}
+    assert cells[("prefill", "9-16")] == "passed" and cells[("decode", "1")] == "failed"
+    assert cells[("prefill", "129-256")] == "not reached" and cells[("decode", "33-64")] == "not reached"
+    assert cells[("prefill", "2")] == "not planned"
+    assert cov.not_reached() == [("decode", "33-64"), ("prefill", "129-256")]
+    msg = failure_message(cov, "workload_t")
+    assert "1 of 12 positions" in msg and "decode M 1: 1" in msg
+    assert "decode M 1, prefill of 9 tokens, position 9: logprob" in msg and "5.0x" in msg
+    written = cov.write(tmp_path, "coverage-t")
+    assert [p.suffix for p in written][:2] == [".json", ".md"]
