@@ -115,7 +115,8 @@ class ForcedPath:
 class TeacherForced:
     """:meth:`ExactModel.teacher_forced`: the sequence ``prompt + continuation`` (an engine's own tokens) judged at
     every position after the first. Row ``k`` is the prediction of token ``k + 1`` from tokens ``0..k``: rows
-    ``0 .. L-2`` are prompt positions (prefill), rows ``L-1 ..`` the continuation's steps (decode).
+    ``0 .. L-2`` score the prompt's tokens, rows ``L-1 ..`` the continuation's (row ``L-1``, the first generated
+    token, comes from the prefill's forward).
 
     ``logprob[k]``: the reference's logprob of token ``k + 1``; ``best[k]``: its argmax at row ``k``; ``gap[k]``:
     ``logit(best) - logit(token k + 1) >= 0`` (0 where they are the same token). ``*_var``: the variance
@@ -185,8 +186,9 @@ def _tensor_bytes(value) -> int:
     """Bytes of the tensors in ``value`` (tensors, tuples, lists, dataclasses of them)."""
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
-    if isinstance(value, (tuple, list)):
-        return sum(_tensor_bytes(v) for v in value)
+    if isinstance(value, (tuple, list)):  # Python objects counted at 64 bytes each (routes are tuples of floats)
+        return sum(_tensor_bytes(v) if isinstance(v, (torch.Tensor, tuple, list)) or dataclasses.is_dataclass(v)
+                   else 64 for v in value)
     if dataclasses.is_dataclass(value):
         return sum(_tensor_bytes(getattr(value, f.name)) for f in dataclasses.fields(value))
     return 0
@@ -320,7 +322,7 @@ class ExactModel:
         return self.teacher_forced_many([(prompt, continuation)], probes, tp, seed)[0]
 
     def teacher_forced_many(self, pairs: list[tuple[list[int], list[int]]], probes: int | None = None, tp: int = 1,
-                            seed: int = 0) -> list[TeacherForced]:
+                            seed: int = 0, max_rows: int | None = None) -> list[TeacherForced]:
         """Each ``(prompt, continuation)`` teacher forced (:class:`TeacherForced`): forward-mode passes of
         ``probes`` replicas (:mod:`reference_impl.truth.probes`; sequences of equal length share one) give every
         position's values and variance estimates. Memoized per question, like the other on-demand answers (an
@@ -335,7 +337,8 @@ class ExactModel:
         found = {k: self._answers[k][0] for k in keys if k in self._answers}
         todo = list(dict.fromkeys(k for k in keys if k not in found))
         seqs = [list(k[1]) + list(k[2]) for k in todo]
-        probed_all = probe_sequences(self.truth, [q[:-1] for q in seqs], [q[1:] for q in seqs], probes, tp, seed)
+        probed_all = probe_sequences(self.truth, [q[:-1] for q in seqs], [q[1:] for q in seqs], probes, tp, seed,
+                                     max_rows)
         for k, seq, probed in zip(todo, seqs, probed_all):
             answer = TeacherForced(len(k[1]), seq, probed.logprob, probed.logprob_var, probed.best, probed.gap,
                                    probed.gap_var, route_outputs(self.cfg, probed), probes, tp)

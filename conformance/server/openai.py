@@ -101,4 +101,6 @@ class OpenAIDialect(ServerDialect):
             lps = lps[len(prompt):]
         if len(lps) != len(ids):
             raise AssertionError(f"/v1/completions choice {i}: {len(lps)} token_logprobs for {len(ids)} token_ids")
-        return TokenGeneration(tuple(prompt), scored, tuple(ids), tuple(float(x) for x in lps))
+        seen = choice.get("prompt_token_ids")  # return_token_ids: the prompt as the server saw it
+        return TokenGeneration(tuple(seen) if isinstance(seen, list) else tuple(prompt), scored, tuple(ids),
+                               tuple(float(x) for x in lps))

@@ -21,7 +21,9 @@ is judged again on the branches with those decisions taken the other way (breadt
 
 Each row is attributed to the *phase* and *token-count bucket* of the forward that computed it in the workload's
 plan: prompt rows and the first generated token to the prefill (bucket of the prefill's token count), later
-generated tokens to the decode (bucket of the number of sequences decoding). The coverage map counts, per cell,
+generated tokens to the decode (bucket of the number of sequences decoding); mixed traffic to its own 'mixed' row
+(the engine's scheduler composes those forwards). The buckets are the planned sizes: an engine that splits a
+prefill into chunks (8192 tokens by default in vLLM) computes it in smaller forwards. The coverage map counts, per cell,
 rows judged and failed, and names the expected cells nothing reached.
 """
 from __future__ import annotations
@@ -37,17 +39,26 @@ from conformance.interfaces.server_types import TokenGeneration
 from conformance.server.workloads import PHASES, bucket, buckets_up_to
 
 MAX_BRANCHES = 48
+MAX_TIES_HERE = 6  # near ties at a failing row's own position tried in subsets (2^6 - 1 sets at most)
 MAX_REPORTED = 8  # failing rows named in a failure message (all of them are in the coverage file)
 
 
 @dataclass
 class Planned:
-    """One answer to judge: which request it was, and the token counts of the forwards that computed it."""
+    """One answer to judge: which request it was, and the token counts of the forwards that computed it as the
+    workload plans them (``mixed``: traffic whose forwards the engine's scheduler composes, counted in the
+    'mixed' row at the long prompt's length)."""
 
     request: str
     weight_set: str
     prefill_m: int
     decode_m: int
+    mixed: bool = False
+
+    def cell(self, phase: str) -> tuple[str, str]:
+        if self.mixed:
+            return "mixed", bucket(self.prefill_m)
+        return phase, bucket(self.prefill_m if phase == "prefill" else self.decode_m)
 
 
 @dataclass
@@ -93,7 +104,7 @@ class Coverage:
         return self.cells.setdefault((phase, b), Cell())
 
     def expect(self, p: Planned) -> None:
-        self.expected |= {("prefill", bucket(p.prefill_m)), ("decode", bucket(p.decode_m))}
+        self.expected |= {p.cell("prefill"), p.cell("decode")}
 
     def not_reached(self) -> list[tuple[str, str]]:
         return sorted(k for k in self.expected if self.cells.get(k, Cell()).judged == 0)
@@ -204,8 +215,7 @@ class WorkloadJudge:
         failing: list[Row] = []
         judged: list[tuple[int, Row | None]] = []
         for k, lp in zip(rows, lp_engine):
-            phase = "prefill" if k < len(prompt) else "decode"
-            b = bucket(plan.prefill_m if phase == "prefill" else plan.decode_m)
+            phase, b = plan.cell("prefill" if k < len(prompt) else "decode")
             ref, bd = float(tf.logprob[k]), self.bound(tf.logprob_var[k])
             bad = None
             if k >= len(prompt) - 1 and int(tf.best[k]) != tf.tokens[k + 1]:
@@ -221,8 +231,7 @@ class WorkloadJudge:
                 failing.append(bad)
         explained = self._explain(model, tf, failing) if failing else set()
         for k, bad in judged:
-            phase = "prefill" if k < len(prompt) else "decode"
-            c = self.coverage.cell(phase, bucket(plan.prefill_m if phase == "prefill" else plan.decode_m))
+            c = self.coverage.cell(*plan.cell("prefill" if k < len(prompt) else "decode"))
             c.judged += 1
             lp, ref = lp_engine[k - first_row], float(tf.logprob[k])
             c.nll_delta_sum += ref - lp
@@ -241,11 +250,12 @@ class WorkloadJudge:
         """Rows among ``failing`` that a branch of near-tie routing flips puts within bounds. Per failing row, the
         flip sets tried: every non-empty subset of the near ties at its own position (the decisions that move
         it most), then those with every near tie before it flipped too; at most MAX_BRANCHES forwards."""
-        from itertools import combinations
+        from itertools import chain, combinations
 
         from reference_impl.truth.instrument import slot
 
         ties = sorted((t, s) for t, s, gap, var in tf.routes if gap <= self.bound(var))
+        ratio = {(s, t): gap / max(self.bound(var), 1e-300) for t, s, gap, var in tf.routes}
         if not ties:
             return set()
         seq = tf.tokens
@@ -258,13 +268,19 @@ class WorkloadJudge:
         todo = {r.row: r for r in failing}
         explained, spent, tried = set(), 0, set()
         for row in sorted(todo):
-            here = [(s, t) for t, s in ties if t == row and (s, t) in flips]
+            # the closest ties first, at most MAX_TIES_HERE of them (an MoE with many routing slots per position)
+            here = sorted(((s, t) for t, s in ties if t == row and (s, t) in flips), key=lambda k: ratio[k])
+            here = here[:MAX_TIES_HERE]
             before = {(s, t): flips[(s, t)] for t, s in ties if t < row and (s, t) in flips}
-            sets = [dict((k, flips[k]) for k in c) for n in range(1, len(here) + 1) for c in combinations(here, n)]
-            sets += [{**before, **c} for c in sets + [{}] if before]
+            subsets = (dict((k, flips[k]) for k in c) for n in range(1, len(here) + 1) for c in combinations(here, n))
+            sets = chain(subsets, [before] if before else [],
+                         ({**before, **dict((k, flips[k]) for k in c)}
+                          for n in range(1, len(here) + 1) for c in combinations(here, n)) if before else [])
             for forced in sets:
+                if spent >= MAX_BRANCHES or row in explained:
+                    break
                 key = tuple(sorted(forced))
-                if row in explained or spent >= MAX_BRANCHES or key in tried:
+                if key in tried:
                     continue
                 tried.add(key)
                 logits, _ = model.branch(seq[:1], seq[1:], forced)

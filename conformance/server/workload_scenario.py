@@ -121,9 +121,9 @@ def _mixed(workload: Workload, pool, send, vocab_size: int) -> list:
     long_len, shorts = workload.mixed
     long_prompt = workload.prompts(vocab_size, long_len, 1, "prefill")[0]  # the prefill's prompt of that length
     with ThreadPoolExecutor(max_workers=shorts + 1, thread_name_prefix="mixed") as ex:
-        futures = [ex.submit(send, [pool[i]], [Planned(f"mixed: short request {i}", "a", workload.short_length,
-                                                       shorts + 1)], False) for i in range(shorts)]
+        futures = [ex.submit(send, [pool[i]], [Planned(f"mixed: short request {i}", "a", long_len, shorts + 1, True)],
+                             False) for i in range(shorts)]
         time.sleep(MIXED_DELAY_S)
         futures.append(ex.submit(send, [long_prompt], [Planned(f"mixed: prompt of {long_len} tokens arriving "
-                                                               f"among {shorts} decoding", "a", long_len, shorts + 1)], False))
+                                                               f"among {shorts} decoding", "a", long_len, shorts + 1, True)], False))
         return [pair for f in futures for pair in f.result()]

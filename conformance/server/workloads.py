@@ -36,7 +36,9 @@ except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
 GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-PHASES = ("prefill", "decode")
+#: the coverage map's rows: a prefill alone, a decode batch, and mixed traffic (its rows in forwards the
+#: engine's scheduler composes: planned sizes are not the forwards' sizes there)
+PHASES = ("prefill", "decode", "mixed")
 
 
 def bucket(m: int) -> str:
@@ -86,6 +88,9 @@ class Workload:
         for name, values in ints.items():
             if not values or any(not isinstance(v, int) or v < 1 for v in values):
                 raise ValueError(f"workload {self.name!r}: {name} must hold integers >= 1, got {values!r}")
+        if self.continuation < 2:
+            raise ValueError(f"workload {self.name!r}: continuation must be >= 2 (the first generated token comes from "
+                             f"the prefill: one more is the decode's)")
         if len(self.repeat) != 2 or len(self.mixed) != 2:
             raise ValueError(f"workload {self.name!r}: repeat and mixed are pairs [batch, times] / [long length, "
                              f"short requests]")

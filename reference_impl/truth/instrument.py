@@ -99,6 +99,11 @@ def active() -> Recorder | None:
 
 
 # ----------------------------------------------------------------------------------------- attention
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without a forward-mode tangent (a store's magnitudes need none: under probes that halves their cost)."""
+    return torch.autograd.forward_ad.unpack_dual(t).primal
+
+
 def truth_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
     """Eager causal attention ``[b, h, t, d]`` with its three stores; the mask is causal by construction (the
     truth never pads)."""
@@ -108,11 +113,13 @@ def truth_attention(module, query, key, value, attention_mask, scaling, dropout=
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     tq, tk = query.shape[-2], key.shape[-2]
     scores = rec.store(torch.matmul(query, key.transpose(2, 3)) * scaling, "dot",
-                       lambda: torch.matmul(query.abs(), key.abs().transpose(2, 3)) * scaling, query.shape[-1])
+                       lambda: torch.matmul(_plain(query).abs(), _plain(key).abs().transpose(2, 3)) * scaling,
+                       query.shape[-1])
     causal = torch.ones(tq, tk, dtype=torch.bool, device=query.device).tril(tk - tq)
     scores = scores.masked_fill(~causal, float("-inf"))
     probs = rec.store(F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype), "round")
-    out = rec.store(torch.matmul(probs, value), "dot", lambda: torch.matmul(probs.abs(), value.abs()), tk)
+    out = rec.store(torch.matmul(probs, value), "dot", lambda: torch.matmul(_plain(probs).abs(), _plain(value).abs()),
+                    tk)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -202,9 +202,24 @@ def _joined(parts: list[Probed]) -> Probed:
                   mean([p.gap_var for p in parts]), k, routes)
 
 
-#: batch rows (sequences x replicas x tokens) of one probed pass: bounds its activations (256 MiB per
-#: hidden-size-256 activation in fp64 at 2^17) on the fixtures; larger models take fewer sequences per pass
+#: batch rows (sequences x replicas x tokens) of one probed pass at most: 65536 on the fixtures; larger models
+#: take fewer (:func:`rows_budget`)
 MAX_ROWS = 1 << 16
+#: fp64 bytes one activation of a probed pass may take (its primal; the tangent, draws and error weights beside
+#: it make a pass's peak several times this: 29 GiB on an H100 for the 8B shape at 16384 rows)
+ACTIVATION_BYTES = 2 << 30
+
+
+def rows_budget(cfg) -> int:
+    """Rows of one probed pass: MAX_ROWS, fewer where the widest activation (the MLP's) would exceed
+    ACTIVATION_BYTES."""
+    width = max(cfg.hidden_size, cfg.intermediate_size or 0, (cfg.moe_intermediate_size or 0) * max(1, cfg.top_k or 1))
+    return max(1, min(MAX_ROWS, ACTIVATION_BYTES // (8 * width)))
+
+
+def _attention_replicas(cfg, t: int) -> int:
+    """Replicas (of sequences of ``t`` tokens) whose eager attention scores fit ACTIVATION_BYTES."""
+    return max(1, ACTIVATION_BYTES // (8 * cfg.num_heads * t * t))
 
 
 def probe_sequences(truth, seqs: list[list[int]], targets: list[list[int]], probes: int = DEFAULT_PROBES, tp: int = 1,
@@ -213,20 +228,20 @@ def probe_sequences(truth, seqs: list[list[int]], targets: list[list[int]], prob
     judged against ``targets`` (one token per position): sequences of equal length share a pass (at most
     ``max_rows`` rows), the layers one at a time (weights streamed once per pass), ``probes`` replicas of each.
     The draws depend on ``seed`` and the batching."""
-    max_rows = max_rows or MAX_ROWS
+    max_rows = max_rows or rows_budget(truth.cfg)
     out: list[Probed | None] = [None] * len(seqs)
     by_length: dict[int, list[int]] = {}
     for i, s in enumerate(seqs):
         by_length.setdefault(len(s), []).append(i)
     for t, idx in sorted(by_length.items()):
-        group = max(1, min(probes, max_rows // t))  # replicas per pass
+        group = max(1, min(probes, max_rows // t, _attention_replicas(truth.cfg, t)))  # replicas per pass
         if group < probes:  # a long sequence: its replicas in groups, independent draws each (seeded apart)
             for i in idx:
                 parts = [_probe_pass(truth, [seqs[i]], [targets[i]], min(group, probes - lo), tp,
                                      seed + 7919 * (lo // group + 1))[0] for lo in range(0, probes, group)]
                 out[i] = _joined(parts)
             continue
-        per = max(1, max_rows // (probes * t))
+        per = max(1, min(max_rows // (probes * t), _attention_replicas(truth.cfg, t) // probes))
         for lo in range(0, len(idx), per):
             part = idx[lo:lo + per]
             for i, p in zip(part, _probe_pass(truth, [seqs[i] for i in part], [targets[i] for i in part], probes, tp,

@@ -43,11 +43,12 @@ class SGLangDialect(ServerDialect):
         out = []
         for i, (d, prompt) in enumerate(zip(data, prompts)):
             g = Generation.from_json(d)
-            scored = None
+            scored, seen = None, tuple(prompt)
             if prompt_logprobs:
                 entries = [(e[0], e[1]) for e in (d.get("meta_info", {}).get("input_token_logprobs") or [])]
                 scored = prompt_logprobs_from(entries, list(prompt), f"/generate prompt {i} input_token_logprobs")
-            out.append(TokenGeneration(tuple(prompt), scored, g.ids, g.logprobs or ()))
+                seen = tuple(int(e[1]) for e in entries)  # the prompt as the server scored it
+            out.append(TokenGeneration(seen, scored, g.ids, g.logprobs or ()))
         return out
 
     def reload_weights(self, path: str, flush_cache: bool = True) -> ReloadResult:
