@@ -1,4 +1,4 @@
-"""The golden truth of the server scenarios: the snapshots under fixtures/snapshots/test_server_golden/ are
+"""The golden truth of the server scenarios: the golden files under fixtures/snapshots/_server_golden/ are
 what the reference model computes, and the derived bound accepts correct engines while it sees real errors.
 
 * ``test_server_golden`` writes the snapshots (syrupy): computing the variance proxies takes a minute or
@@ -56,6 +56,13 @@ def test_server_golden(request, family, weight_set):
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(serialize_entries(golden_entries(compute_golden(path, _prompt_ids(path)))))
     assert golden_from_entries(deserialize_entries(out.read_text())).prompt_ids == _prompt_ids(path)
+
+
+def test_every_golden_file_belongs_to_a_fixture():
+    """The golden files are exactly one per fixture family and weight set (none stale, none missing)."""
+    root = snapshot_path(*SETS[0]).parent
+    assert sorted(p.name for p in root.glob("*.tensors.json")) == sorted(
+        snapshot_path(f, s).name for f, s in SETS)
 
 
 @pytest.mark.parametrize("family,weight_set", SETS, ids=SET_IDS)

@@ -3,8 +3,8 @@ comparison of a server's generations with them.
 
 Where the golden outputs come from (see :mod:`reference_impl.golden` for what they hold):
 
-* fixture checkpoints: syrupy snapshots ``fixtures/snapshots/test_server_golden/test_server_golden[<family>-
-  <set>].tensors.json``, written by ``pytest tests/test_server_golden.py --snapshot-update`` and
+* fixture checkpoints: files ``fixtures/snapshots/_server_golden/<family>-<set>.tensors.json`` (the snapshot format of
+  conformance/_framework/snapshots.py), written by ``pytest tests/test_server_golden.py --snapshot-update`` and
   re-checked against the reference by that test module; each records the digest of the checkpoint it was
   made from, so a changed fixture is an error, not a silent mismatch;
 * a user's checkpoint (``--server-checkpoint``): computed by the reference model at session start.
@@ -41,7 +41,9 @@ PROMPTS = ("the city of water", "a new river and the old stone tree", "music of 
            "people of the north")
 MAX_NEW_TOKENS = 8
 GREEDY = {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}
-SNAPSHOT_TEST = "test_server_golden"
+#: the fixtures' golden files, in the snapshot root under a name no test module has: syrupy scans the folders
+#: named after test modules and counted these as unused snapshots of the skipped writer, advising to delete them
+GOLDEN_DIR = "_server_golden"
 # Golden values are fp64 with fp32 transcendentals (rotary angles, softmaxes) that may differ by an fp32 ulp
 # (2^-23 relative) between CPU math libraries; through these models' sensitivities (|d logprob / d v| * |v|
 # summed over a store is < 50 on the fixtures) that moves a logprob or a gap by < 1e-5. Variance proxies are
@@ -52,7 +54,7 @@ MAX_BRANCHES = 48  # forwards of the reference spent explaining one disagreement
 
 
 def snapshot_path(family: str, weight_set: str) -> Path:
-    return snapshot_root() / SNAPSHOT_TEST / f"{SNAPSHOT_TEST}[{family}-{weight_set}].tensors.json"
+    return snapshot_root() / GOLDEN_DIR / f"{family}-{weight_set}.tensors.json"
 
 
 # ----------------------------------------------------------------------------------------- (de)serialization
