@@ -1,7 +1,7 @@
 """The golden truth of the server scenarios: the golden files under fixtures/snapshots/_server_golden/ are
 what the reference model computes, and the derived bound accepts correct engines while it sees real errors.
 
-* ``test_server_golden`` writes the snapshots (syrupy): computing the variance proxies takes a minute or
+* ``test_server_golden`` writes the golden files (directly, in the snapshot format): computing the variance proxies takes a minute or
   more per weight set on a CPU, so it runs with ``--snapshot-update`` only (regenerate on purpose, and
   commit the files with the change that explains them). In every run the snapshots are checked by
   ``test_golden_values_reproduced`` (all values, every set) and ``test_golden_variances_reproduced``
