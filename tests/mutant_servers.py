@@ -414,33 +414,31 @@ def _track_forwards() -> None:
     Engine.generate = generate
 
 
-def large_prefill_drops_k_block() -> dict:
-    """A large-M GEMM tile that drops the last K block: prefill forwards above 128 tokens compute every linear
-    without its last 16 input columns (right at the scenarios' sizes: their prefills are <= 72 tokens)."""
+def _drops_k_block(phase: str, smallest_m: int) -> None:
+    """A GEMM tile that drops the last K block: in ``phase`` forwards of at least ``smallest_m`` (tokens or
+    sequences), every linear runs without its last 16 input columns."""
     _track_forwards()
     original = TinyModel.linear
 
     def linear(self, x, prefix):
-        if _FORWARD["phase"] == "prefill" and _FORWARD["m"] > 128:
+        if _FORWARD["phase"] == phase and _FORWARD["m"] >= smallest_m:
             x = x.clone()
             x[..., -16:] = 0
         return original(self, x, prefix)
     TinyModel.linear = linear
+
+
+def large_prefill_drops_k_block() -> dict:
+    """A large-M GEMM tile that drops the last K block: prefill forwards above 128 tokens compute every linear
+    without its last 16 input columns (right at the scenarios' sizes: their prefills are <= 72 tokens)."""
+    _drops_k_block("prefill", 129)
     return {}
 
 
 def large_decode_batch_drops_k_block() -> dict:
     """The same tile fault in the decode: forwards of 17 or more running sequences compute every linear without
     its last 16 input columns (the scenarios decode at most 8 at once)."""
-    _track_forwards()
-    original = TinyModel.linear
-
-    def linear(self, x, prefix):
-        if _FORWARD["phase"] == "decode" and _FORWARD["m"] >= 17:
-            x = x.clone()
-            x[..., -16:] = 0
-        return original(self, x, prefix)
-    TinyModel.linear = linear
+    _drops_k_block("decode", 17)
     return {}
 
 
