@@ -53,18 +53,13 @@ def forward_flops(cfg: dict, tokens: int) -> float:
     return 2.0 * tokens * linear + 2.0 * 2 * L * heads * hd * tokens * (tokens + 1) / 2
 
 
-def gemm_rate(device: str, n: int = 4096, reps: int = 5) -> float:
-    """Measured fp64 GEMM FLOP/s on ``device``."""
+def gemm_rate(device: str, n: int = 4096) -> float:
+    """Measured fp64 GEMM FLOP/s on ``device`` (the median time of conformance/perf's timer)."""
+    from conformance.perf.measure import Timer
+
     a = torch.randn(n, n, dtype=torch.float64, device=device)
     b = torch.randn(n, n, dtype=torch.float64, device=device)
-    a @ b
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    sync()
-    t = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    sync()
-    return 2.0 * n ** 3 * reps / (time.perf_counter() - t)
+    return 2.0 * n ** 3 / Timer(torch.device(device)).median(lambda: a @ b)
 
 
 def disk_rate(files: list[Path]) -> tuple[float, int]:

@@ -11,7 +11,8 @@ import torch
 
 import reference_impl.truth.stores as stores
 from reference_impl.truth.engine import Output, Request, TruthModel
-from reference_impl.truth.probes import BASE_LAMBDA, probe_lambda, probe_sequences, route_outputs
+from conformance.server.bounds import GOLDEN_LAMBDA
+from reference_impl.truth.probes import probe_lambda, probe_sequences, route_outputs
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "checkpoints"
 U = (2.0 ** -8, 2.0 ** -23)
@@ -19,14 +20,14 @@ U = (2.0 ** -8, 2.0 ** -23)
 
 def test_multiplier_has_the_exact_bounds_risk():
     for k in (8, 32, 64, 128, 1024):
-        lam = probe_lambda(k)
+        lam = probe_lambda(k, GOLDEN_LAMBDA)
         risk = 2 * (1 + lam ** 2 / k) ** (-k / 2)  # the chi-square MGF bound of the module docstring
-        assert math.isclose(risk, 2 * math.exp(-BASE_LAMBDA ** 2 / 2), rel_tol=1e-9)
-    assert probe_lambda(64) == pytest.approx(6.95, abs=0.01)
-    assert probe_lambda(10 ** 6) == pytest.approx(BASE_LAMBDA, abs=1e-3)  # many probes: the exact bound
-    assert probe_lambda(16) > probe_lambda(64) > BASE_LAMBDA
+        assert math.isclose(risk, 2 * math.exp(-GOLDEN_LAMBDA ** 2 / 2), rel_tol=1e-9)
+    assert probe_lambda(64, GOLDEN_LAMBDA) == pytest.approx(6.95, abs=0.01)
+    assert probe_lambda(10 ** 6, GOLDEN_LAMBDA) == pytest.approx(GOLDEN_LAMBDA, abs=1e-3)  # many probes: the exact bound
+    assert probe_lambda(16, GOLDEN_LAMBDA) > probe_lambda(64, GOLDEN_LAMBDA) > GOLDEN_LAMBDA
     with pytest.raises(ValueError):
-        probe_lambda(0)
+        probe_lambda(0, GOLDEN_LAMBDA)
 
 
 def _exact(tm: TruthModel, ids: list[int], tp: int) -> tuple[torch.Tensor, torch.Tensor, list]:

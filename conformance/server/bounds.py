@@ -17,6 +17,8 @@ top-2 margin is inside the bound, and then the chosen logprobs still agree withi
 """
 from __future__ import annotations
 
+from reference_impl.truth.stores import TP_SIZES, U_ACCUM, U_BF16
+
 BF16_UNIT_ROUNDOFF = 2.0 ** -8
 RELOAD_LOGPROB_TOL = 1e-4
 
@@ -28,12 +30,12 @@ def tp_logprob_bound(num_layers: int, tp: int, max_abs_logit: float) -> float:
 # ----------------------------------------------------------------------------------------- golden outputs
 #: Unit roundoffs of the error model of reference_impl/golden.py: BF16 stores (8 significant bits) and fp32
 #: accumulation (one ulp per addition: tensor cores truncate, see conformance/dense/bounds.py's U_ACCUM).
-GOLDEN_U_BF16 = 2.0 ** -8
-GOLDEN_U_ACCUM = 2.0 ** -23
+GOLDEN_U_BF16 = U_BF16
+GOLDEN_U_ACCUM = U_ACCUM
 #: Hoeffding multiplier: P(a correct engine's deviation exceeds the bound) <= 2 exp(-LAMBDA^2 / 2) = 3.0e-8
 #: per compared quantity, so a full run (~10^4 comparisons) fails falsely with probability < 1e-3.
 GOLDEN_LAMBDA = 6.0
-GOLDEN_TP_SIZES = (2, 4, 8)
+GOLDEN_TP_SIZES = TP_SIZES
 
 
 def golden_bound(variance, tp: int = 1):
@@ -54,11 +56,13 @@ def golden_bound(variance, tp: int = 1):
     """
     import torch
 
+    from reference_impl.truth.stores import covering_tp
+
     v = torch.as_tensor(variance, dtype=torch.float64)
     extra = torch.zeros_like(v[..., 0])
     if tp > 1:
-        larger = [t for t in GOLDEN_TP_SIZES if t >= tp]
-        if not larger:
+        covering = covering_tp(tp)
+        if covering is None:
             raise ValueError(f"golden bounds cover tensor parallelism up to {GOLDEN_TP_SIZES[-1]}, got {tp}")
-        extra = v[..., 2 + GOLDEN_TP_SIZES.index(larger[0])]
+        extra = v[..., 2 + GOLDEN_TP_SIZES.index(covering)]
     return GOLDEN_LAMBDA * torch.sqrt(GOLDEN_U_BF16 ** 2 * (v[..., 0] + extra) + GOLDEN_U_ACCUM ** 2 * v[..., 1])

@@ -480,15 +480,10 @@ def workload_scenario(workload, device: str | None, report_dir=None) -> Scenario
     """The scenario of ``--workload``: ``workload`` sent and judged position by position
     (conformance/server/workload_scenario.py)."""
     def run(ctx: ScenarioContext) -> None:
-        import json
-        from pathlib import Path
-
         from conformance.server.workload_scenario import run_workload
 
         _start(ctx)  # weight set a serving (reloaded where the API can), as every scenario starts
-        cfg = json.loads((Path(ctx.model.truth_model.a) / "config.json").read_text())
-        coverage = run_workload(ctx, workload, int(cfg["vocab_size"]), int(cfg["max_position_embeddings"]), device,
-                                report_dir)
+        coverage = run_workload(ctx, workload, device, report_dir)
         ctx.golden.compared += coverage.judged
         ctx.golden.worst_ratio = max([ctx.golden.worst_ratio] + [c.worst_ratio for c in coverage.cells.values()])
         ctx.golden.observations += coverage.notes + [f"workload {workload.name}: {coverage.judged} positions judged "

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from conformance.interfaces.server_types import TokenGeneration
+from conformance.server.bounds import GOLDEN_LAMBDA
 from conformance.server.workloads import PHASES, bucket, buckets_up_to
 
 MAX_BRANCHES = 48
@@ -196,7 +197,7 @@ class WorkloadJudge:
 
         self.exact, self.coverage, self.tp = exact, coverage, tp
         self.probes = probes or DEFAULT_PROBES
-        self.lam = probe_lambda(self.probes)
+        self.lam = probe_lambda(self.probes, GOLDEN_LAMBDA)  # the golden bounds' risk
 
     def bound(self, var: float) -> float:
         return self.lam * math.sqrt(max(float(var), 0.0))
@@ -213,32 +214,31 @@ class WorkloadJudge:
         if len(lp_engine) != len(prompt) + len(cont) - 1 - first_row:
             raise AssertionError(f"{plan.request}: {len(lp_engine)} logprobs for {len(rows)} positions")
         failing: list[Row] = []
-        judged: list[tuple[int, Row | None]] = []
+        judged = []  # per row: (row, its cell, engine logprob, reference logprob, bound, the failure or None)
         for k, lp in zip(rows, lp_engine):
-            phase, b = plan.cell("prefill" if k < len(prompt) else "decode")
+            cell = plan.cell("prefill" if k < len(prompt) else "decode")
             ref, bd = float(tf.logprob[k]), self.bound(tf.logprob_var[k])
             bad = None
             if k >= len(prompt) - 1 and int(tf.best[k]) != tf.tokens[k + 1]:
                 gb = self.bound(tf.gap_var[k])
                 if float(tf.gap[k]) > gb:
-                    bad = Row(plan.request, phase, b, k, "choice", lp, ref, gb,
+                    bad = Row(plan.request, *cell, k, "choice", lp, ref, gb,
                               f"token {tf.tokens[k + 1]} where the reference's best {int(tf.best[k])} leads by "
                               f"{float(tf.gap[k]):.4f} > its bound {gb:.3e}: ")
             if bad is None and not abs(lp - ref) <= bd:
-                bad = Row(plan.request, phase, b, k, "logprob", lp, ref, bd)
-            judged.append((k, bad))
+                bad = Row(plan.request, *cell, k, "logprob", lp, ref, bd)
+            judged.append((k, cell, lp, ref, bd, bad))
             if bad:
                 failing.append(bad)
         explained = self._explain(model, tf, failing) if failing else set()
-        for k, bad in judged:
-            c = self.coverage.cell(*plan.cell("prefill" if k < len(prompt) else "decode"))
+        for k, cell, lp, ref, bd, bad in judged:
+            c = self.coverage.cell(*cell)
             c.judged += 1
-            lp, ref = lp_engine[k - first_row], float(tf.logprob[k])
             c.nll_delta_sum += ref - lp
             if k in explained:
                 c.explained += 1
             else:  # the worst ratio of the rows judged on the reference's own routing
-                c.worst_ratio = max(c.worst_ratio, abs(lp - ref) / max(self.bound(tf.logprob_var[k]), 1e-300))
+                c.worst_ratio = max(c.worst_ratio, abs(lp - ref) / max(bd, 1e-300))
             if k >= len(prompt) - 1:
                 c.generated += 1
                 c.top1_mismatch += int(int(tf.best[k]) != tf.tokens[k + 1])

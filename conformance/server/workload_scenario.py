@@ -36,16 +36,16 @@ def exact_model(path: str, device: str | None):
         return _EXACT[path]
 
 
-def run_workload(ctx, workload: Workload, vocab_size: int, max_positions: int, device: str | None,
-                 report_dir=None) -> Coverage:
+def run_workload(ctx, workload: Workload, device: str | None, report_dir=None) -> Coverage:
     """Send ``workload`` through ``ctx.client`` and judge it; raises AssertionError naming the failing buckets.
     A dialect that cannot send token ids or return prompt logprobs skips (pytest.skip) with its reason."""
     import pytest
 
-    workload.check(max_positions=max_positions)
     client, spec = ctx.client, SamplingSpec(workload.continuation, 0.0, ignore_eos=True)
     truth = ctx.model.truth_model
     exact = {"a": exact_model(truth.a, device), "b": exact_model(truth.b, device)}
+    vocab_size = exact["a"].cfg.vocab_size
+    workload.check(max_positions=exact["a"].cfg.max_position_embeddings)
     coverage = Coverage(workload.name)
     judge = WorkloadJudge(exact, coverage, ctx.tp, workload.probes)
     pool = workload.prompts(vocab_size, workload.short_length, workload.pool_size, "pool")

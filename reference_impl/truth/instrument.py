@@ -99,9 +99,14 @@ def active() -> Recorder | None:
 
 
 # ----------------------------------------------------------------------------------------- attention
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """``t`` without a forward-mode tangent (a store's magnitudes need none: under probes that halves their cost)."""
-    return torch.autograd.forward_ad.unpack_dual(t).primal
+def primal(t):
+    """``t`` (a tensor, or a tuple or list of them) without forward-mode tangents, detached: a store's magnitudes
+    need none (under probes that halves their cost)."""
+    if isinstance(t, torch.Tensor):
+        return torch.autograd.forward_ad.unpack_dual(t).primal.detach()
+    if isinstance(t, (tuple, list)):
+        return type(t)(primal(x) for x in t)
+    return t
 
 
 def truth_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
@@ -113,12 +118,12 @@ def truth_attention(module, query, key, value, attention_mask, scaling, dropout=
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     tq, tk = query.shape[-2], key.shape[-2]
     scores = rec.store(torch.matmul(query, key.transpose(2, 3)) * scaling, "dot",
-                       lambda: torch.matmul(_plain(query).abs(), _plain(key).abs().transpose(2, 3)) * scaling,
+                       lambda: torch.matmul(primal(query).abs(), primal(key).abs().transpose(2, 3)) * scaling,
                        query.shape[-1])
     causal = torch.ones(tq, tk, dtype=torch.bool, device=query.device).tril(tk - tq)
     scores = scores.masked_fill(~causal, float("-inf"))
     probs = rec.store(F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype), "round")
-    out = rec.store(torch.matmul(probs, value), "dot", lambda: torch.matmul(_plain(probs).abs(), _plain(value).abs()),
+    out = rec.store(torch.matmul(probs, value), "dot", lambda: torch.matmul(primal(probs).abs(), primal(value).abs()),
                     tk)
     return out.transpose(1, 2).contiguous(), None
 

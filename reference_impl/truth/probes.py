@@ -36,22 +36,20 @@ from dataclasses import dataclass, field
 import torch
 import torch.autograd.forward_ad as fwAD
 
+from . import instrument
 from .instrument import Recorder, RouteDecision, recording, slot
-from .stores import TP_SIZES, error_weights
+from .stores import TP_SIZES, U_ACCUM, U_BF16, covering_tp, error_weights
 
 #: probes per sequence: the bound is 16 % wider than with the exact variance (module docstring)
 DEFAULT_PROBES = 64
-U_BF16 = 2.0 ** -8
-U_ACCUM = 2.0 ** -23
 #: weight-rounding draws made at once (fp64 elements: 2 GiB): a large model's replicas are drawn in groups
 WEIGHT_DRAW_ELEMENTS = 1 << 28
-#: the exact bound's multiplier (conformance/server/bounds.py GOLDEN_LAMBDA): the risk both bounds share
-BASE_LAMBDA = 6.0
 
 
-def probe_lambda(probes: int, base_lambda: float = BASE_LAMBDA) -> float:
+def probe_lambda(probes: int, base_lambda: float) -> float:
     """``LAMBDA_K``: the multiplier of ``sqrt(V_hat)`` from ``probes`` probes with the false-failure risk of
-    ``base_lambda`` times the exact ``sqrt(V)`` (module docstring)."""
+    ``base_lambda`` times the exact ``sqrt(V)`` (module docstring; the judges pass conformance/server/bounds.py's
+    GOLDEN_LAMBDA, so both bounds share one risk)."""
     if probes < 1:
         raise ValueError(f"at least one probe, got {probes}")
     return math.sqrt(probes * math.expm1(base_lambda ** 2 / probes))
@@ -67,14 +65,6 @@ def _every_kth(info, k: int, rows: int):
     return info
 
 
-def _primal(t):
-    if isinstance(t, torch.Tensor):
-        return fwAD.unpack_dual(t).primal.detach()
-    if isinstance(t, (tuple, list)):
-        return type(t)(_primal(x) for x in t)
-    return t
-
-
 class Probe:
     """Gives each store of a forward over ``replicas`` copies of each of ``sequences`` ``tokens``-token sequences
     its random tangent (a :class:`reference_impl.truth.instrument.Recorder`'s ``probe``). ``tp``: the
@@ -84,11 +74,11 @@ class Probe:
 
     def __init__(self, replicas: int, tokens: int, tp: int = 1, generator: torch.Generator | None = None,
                  sequences: int = 1):
-        if tp > 1 and tp not in TP_SIZES:
-            larger = [t for t in TP_SIZES if t >= tp]
-            if not larger:
+        if tp > 1:
+            covering = covering_tp(tp)
+            if covering is None:
                 raise ValueError(f"probes cover tensor parallelism up to {TP_SIZES[-1]}, got {tp}")
-            tp = larger[0]
+            tp = covering
         self.replicas, self.tokens, self.tp = replicas, tokens, tp
         self.sequences = sequences  # batch rows: sequence s, replica k at s * replicas + k
         self.generator = generator
@@ -104,7 +94,7 @@ class Probe:
         primal = primal.detach()
         k, rows = self.replicas, self.replicas * self.sequences
         with torch.no_grad():
-            info = _primal(info() if callable(info) else info)
+            info = instrument.primal(info() if callable(info) else info)
             # a store laid out [sequence x replica, ...] has the same primal in every replica of a sequence: its
             # error weights from replica 0 (for a dense linear the accumulation term is a GEMM as large as the
             # linear); the MoE experts' and router's rows mix sequences, replicas and tokens: all of them

@@ -28,6 +28,9 @@ from __future__ import annotations
 import torch
 
 TP_SIZES = (2, 4, 8)
+#: unit roundoffs of the model: a BF16 store (8 significant bits) and one fp32 addition (tensor cores truncate)
+U_BF16 = 2.0 ** -8
+U_ACCUM = 2.0 ** -23
 KINDS = ("round", "act", "norm", "sum", "combine", "dot", "router", "linear", "linear_awq", "linear_exact")
 NUM_COMPONENTS = 2 + len(TP_SIZES)
 #: the weight term with the sensitivities' signs (exact) instead of |a| |x| (an upper bound, the default): only
@@ -44,10 +47,7 @@ class Store:
             raise ValueError(f"unknown store kind {kind!r}")
         self.kind, self.leaf = kind, torch.zeros_like(value, requires_grad=True)
         with torch.no_grad():
-            self._weights(kind, value, info, n, reduced)
-
-    def _weights(self, kind, value, info, n, reduced) -> None:
-        self.sq, self.weight_operands = error_weights(kind, value, info, n, reduced)
+            self.sq, self.weight_operands = error_weights(kind, value, info, n, reduced)
 
     def variances(self, g: torch.Tensor) -> torch.Tensor:
         """``[F, components]``: this store's contribution for F functions with gradients ``g [F, *shape]``."""
@@ -65,6 +65,12 @@ class Store:
                 rows = max(1, _CHUNK_ELEMENTS // xa.numel())
                 out[:, 0] += torch.cat([((c @ w) * xa).pow(2).flatten(1).sum(1) for c in gl.split(rows)])
         return out
+
+
+def covering_tp(tp: int) -> int | None:
+    """The TP size whose partial-sum terms bound a TPn engine's (``tp`` itself when modelled, else the next larger
+    one); None when ``tp`` is above every modelled size."""
+    return next((t for t in TP_SIZES if t >= tp), None)
 
 
 def error_weights(kind: str, value: torch.Tensor, info, n: int, reduced: bool, tp_sizes=TP_SIZES):
