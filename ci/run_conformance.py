@@ -38,6 +38,7 @@ sys.path.insert(0, str(REPO_ROOT))  # this checkout's suite, installed or not (a
 from conformance.backends import BUILTIN_BACKENDS, backend_spec_from_env  # noqa: E402
 from conformance._framework.reporting import EMULATED_VERDICT_NOTE, gate_failures, merge_summaries, render_markdown  # noqa: E402
 from conformance._framework.tiers import TIERS, detect_hardware, tier_skip_reason  # noqa: E402
+from conformance.plugin import load_report_parts  # noqa: E402
 
 GPU_TIERS = tuple(t for t in TIERS if t != "cpu")
 EXPECTATIONS_DIR = REPO_ROOT / "ci" / "expectations"
@@ -168,6 +169,7 @@ def run_gate(args: argparse.Namespace) -> int:
     failures = gate_failures(merged)
     merged["verdict"] = "pass" if not failures else "fail"
     (out / "summary.json").write_text(json.dumps(merged, indent=2, default=str) + "\n")
+    load_report_parts()  # the areas' report sections (perf table, cross-case causes)
     (out / "report.md").write_text(render_markdown(merged))
     merge_junit(junits, out / "junit.xml")
 

@@ -15,7 +15,7 @@ Mapping (checkpoint -> torchao): packed codes ``[N, K/2]`` uint8 -> ``qdata`` (s
 ``max(weight_scale_2)`` (the W4A16 alpha, SPEC section 2) -> ``per_tensor_scale``; ``orig_dtype`` bf16.
 AWQ's ``pre_quant_scale`` is applied to the bf16 activations first (``x * pqs`` in bf16, as engines do) and
 the bias goes to ``F.linear``. torchao's dequantization rounds ``e2m1 * e4m3 * weight_scale_2`` to bf16
-weights, which the dense bound allows (``conformance/dense/bounds.py``, term 3). MoE: torchao's NVFP4 grouped GEMM
+weights, which the dense bound allows (``reference_impl/bounds/dense.py``, term 3). MoE: torchao's NVFP4 grouped GEMM
 quantizes activations (W4A4) and needs Blackwell, so this adapter declares fused MoE unsupported.
 """
 from __future__ import annotations

@@ -19,7 +19,7 @@ How the reference evaluates it (the "BF16-dequant reference", :func:`prepare_w4a
   exact sum of the exact products, rounded to fp32 (fp64 GEMMs on exact slices of ``x``; small layers keep
   the fp64 upcast of ``W``, large ones upcast one row chunk at a time), then ``* alpha`` and ``+ bias`` in
   fp32, one rounding each. Folding alpha and bias into the GEMM epilogue rounds at most as often as a
-  separate multiply and add, which the bound counts (``conformance/dense/bounds.py``, term 2: ``K + 2``
+  separate multiply and add, which the bound counts (``reference_impl/bounds/dense.py``, term 2: ``K + 2``
   roundings); the exact accumulator rounds once instead of up to ``K`` times.
 * AWQ: ``x' = x * pre_quant_scale`` is formed exactly in fp32 (bf16 x bf16 = 16 significant bits), as
   docs/dense.md defines it. A bf16 GEMM cannot take 16-bit operands, so ``x'`` is split exactly into
@@ -28,7 +28,7 @@ How the reference evaluates it (the "BF16-dequant reference", :func:`prepare_w4a
   output (a second ``addmm`` with ``beta = 1``). That is a fp32 sum of ``2K`` exact products: its error is
   at most ``gamma_{2K+2} (1 + 2^-7) A``, inside the dense bound's ``gamma_{K+2} A + 2 * 2^-8 A`` (its
   accumulation, AWQ and weight-rounding terms; this path rounds neither x' nor W) for every K up to 2^15
-  (``conformance/dense/bounds.py``).
+  (``reference_impl/bounds/dense.py``).
 * One rounding to the output dtype at the end.
 
 Determinism, by construction (``run_w4a16_linear`` on the same prepared layer and input gives the same bits,

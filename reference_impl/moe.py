@@ -18,7 +18,7 @@ activation in fp32 and stores the intermediate as **bf16** (its ``intermediate``
 GEMM2 reads. The fp32 reference therefore rounds the intermediate to bf16 too, so it runs GEMM2 on the
 same kind of input as the kernel. The kernel also rounds each expert's output row to bf16 before the
 weighted combine; the reference does not (it keeps fp32 until the final bf16 cast) -- the error bound
-(``conformance/moe/bounds.py``) covers both. ``accum_dtype=torch.float64`` gives the exact value of the
+(``reference_impl/bounds/moe.py``) covers both. ``accum_dtype=torch.float64`` gives the exact value of the
 dequantized model (fp64, no intermediate rounding): the value error bounds are measured from.
 
 Evaluation: with fp32 accumulation (the default) the experts run as grouped GEMMs with fp32 accumulators

@@ -14,7 +14,7 @@ SGLang 0.5.23 (``srt/layers/quantization/nvfp4_online.py``) quantizes each exper
 So the engine's online codes are NOT the ModelOpt recipe's: they agree on every block where the
 6-candidate wins and the two scale formulas round alike, and differ elsewhere. The stated, bounded
 difference: both are round-to-nearest quantizations at their block's scale, so each element of either
-is within ``conformance.moe.bounds.quantization_error_bound`` of the BF16 weight (and the two within
+is within ``reference_impl.bounds.moe.quantization_error_bound`` of the BF16 weight (and the two within
 the sum of their bounds). :func:`quantize_4over6` models the recipe with exact fp32 arithmetic
 (FlashInfer's ``DISABLE_FP4_QUANT_FAST_MATH`` order); the fast-math variant SGLang selects evaluates the
 candidate errors in lower precision and may pick the other candidate on near-ties -- not bit-verified here.

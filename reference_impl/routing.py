@@ -97,3 +97,27 @@ def route_all_to_one(
     ids = slots.to(torch.int32).expand(num_tokens, top_k).contiguous()
     weights = torch.full((num_tokens, top_k), 1.0 / top_k, dtype=torch.float32, device=device)
     return ids, weights
+
+
+# ------------------------------------------------------------ routing variants the MoE cases are built with
+def duplicate_slots(ids: torch.Tensor, w: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Half the tokens name their first expert again in their last slot (every slot keeps its own weight; with
+    top-k >= 4 a quarter also in slot 1: three times). Both slots count (docs/moe.md)."""
+    ids = ids.clone()
+    t = ids.shape[0]
+    again = torch.rand(t, generator=g, device=ids.device) < 0.5
+    ids[:, -1] = torch.where(again, ids[:, 0], ids[:, -1])
+    if ids.shape[1] >= 4:
+        thrice = again & (torch.rand(t, generator=g, device=ids.device) < 0.5)
+        ids[:, 1] = torch.where(thrice, ids[:, 0], ids[:, 1])
+    return ids, w
+
+
+def padding_slots(ids: torch.Tensor, w: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A quarter of the slots and every 8th token entirely (a padded row) get id -1; their weights are NaN,
+    standing for the uninitialised memory engines leave there (a skipped slot's weight is never read)."""
+    skipped = torch.rand(ids.shape, generator=g, device=ids.device) < 0.25
+    skipped |= (torch.arange(ids.shape[0], device=ids.device) % 8 == 7).view(-1, 1)
+    ids = torch.where(skipped, torch.full_like(ids, -1), ids)
+    w = torch.where(skipped, torch.full_like(w, float("nan")), w)
+    return ids, w

@@ -144,7 +144,7 @@ class Kahan(DenseRedTeam):
         return s
 class BiasAfterBf16Rounding(DenseRedTeam):
     """GEMM + alpha rounded to BF16, then ``out + bias`` in BF16: rounds twice, as engines do (``out = out + bias``);
-    the contract allows it (conformance/dense/bounds.py, term 5) and the single-rounding cases carry no bias."""
+    the contract allows it (reference_impl/bounds/dense.py, term 5) and the single-rounding cases carry no bias."""
     name = "rt-bias-after-bf16"
 
     def epilogue(self, p, acc):

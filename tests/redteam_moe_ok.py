@@ -116,7 +116,7 @@ class GeluErf(MoERedTeam):
         return super().activation(p, g, u)
 class Bf16ExpertOutputBeforeWeight(MoERedTeam):
     """Each weight * expert output rounded to BF16 and summed in BF16 (fused-finalize atomics): allowed by the
-    bound (conformance/moe/bounds.py, item 5)."""
+    bound (reference_impl/bounds/moe.py, item 5)."""
     name = "rt-moe-bf16-atomics"
 
     def combine(self, out, tokens, contrib):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conformance.dense.bounds import U_FP32, gamma
+from reference_impl.bounds.dense import U_FP32, gamma
 from conformance.dense.cases import CPU_CASES, build_activations, build_layer
 from conformance._framework.snapshots import Approx
 from conformance.dense.golden import CANONICAL, inputs_sha256

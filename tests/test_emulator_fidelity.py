@@ -26,7 +26,7 @@ import reference_impl.flashinfer_emulator as fe
 from reference_impl.flashinfer_emulator import _moe_compute, gemm
 
 from conformance.interfaces.kernel import MoEExperts
-from conformance.moe.bounds import error_figures, moe_error_bound
+from reference_impl.bounds.moe import error_figures, moe_error_bound
 from tests import flashinfer_references as ref
 
 pytest.importorskip("flashinfer.batch_invariant.quantization.nvfp4_reference",

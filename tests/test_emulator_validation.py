@@ -1,6 +1,6 @@
 """The emulator rejects bad inputs the way FlashInfer 0.7.4 does: each case names the FlashInfer check
 it mirrors (``source``) and the exception type (and message) that check raises. The same cases run
-against the real library on the ``b200`` tier (``conformance/backends/test_emulator_vs_flashinfer.py``)."""
+against the real library on the ``b200`` tier (``conformance/engine_harness/test_emulator_vs_flashinfer.py``)."""
 from __future__ import annotations
 
 import pytest

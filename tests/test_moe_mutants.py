@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from conformance.dense.bounds import ErrorFigures
+from reference_impl.bounds.dense import ErrorFigures
 from conformance.moe.checks import (
     MoERun,
     check_moe_deterministic,

@@ -1,5 +1,5 @@
 """Self-tests of the MoE reference (:mod:`reference_impl.moe`, :mod:`reference_impl.routing`,
-:mod:`reference_impl.online_quant`), its error bound (:mod:`conformance.moe.bounds`) and the FlashInfer
+:mod:`reference_impl.online_quant`), its error bound (:mod:`reference_impl.bounds.moe`) and the FlashInfer
 MoE layout code (:mod:`conformance.adapters.flashinfer.moe`), independent of any backend."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 import reference_impl.moe as moe
 from conformance.interfaces.kernel import CaseInfo
 from conformance.adapters.flashinfer import moe as fim
-from conformance.moe.bounds import (
+from reference_impl.bounds.moe import (
     L_GELU,
     L_SILU,
     moe_error_bound,

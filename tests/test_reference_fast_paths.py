@@ -16,7 +16,7 @@ import torch
 import reference_impl.dense as dense
 import reference_impl.moe_grouped as grouped
 import reference_impl.nvfp4 as nvfp4
-from conformance.moe.bounds import moe_error_bound
+from reference_impl.bounds.moe import moe_error_bound
 from conformance.dense.checks import failing_checks
 from conformance.dense.cases import CPU_CASES
 from conformance.moe.cases import MOE_CASES, build_global_experts, build_inputs

@@ -18,7 +18,8 @@ import torch
 
 from conformance import __version__
 from conformance._framework import reporting
-from conformance.backends import backend_spec_from_env, load_backends
+from conformance._framework.backend_option import backends_of
+from conformance._framework.selection import backend_spec_from_env
 from conformance._framework.reporting import Artifacts, TestRecord, area_of, gate_failures, render_markdown
 from conformance._framework.tiers import TIERS, b200_emulated, detect_hardware, tier_skip_reason
 
@@ -292,9 +293,8 @@ class _RunState:
 
     # -- summary
     def backends(self) -> list[dict[str, str]]:
-        loaded = getattr(self.config, "_nvfp4_backends", None)
         try:
-            loaded = loaded or load_backends(backend_spec_from_env(self.config.getoption("--backend")))
+            loaded = backends_of(self.config)
         except Exception as exc:  # noqa: BLE001 - the report must still be written, saying why
             return [{"name": "?", "version": f"could not load: {exc}"}]
         out = []

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -266,7 +266,7 @@ def _fmt_ids(ids: list[str]) -> str:
     return ", ".join(short) + more
 
 
-def _cell(text: str) -> str:
+def markdown_cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
@@ -279,6 +279,16 @@ def rules_under_test(tests: Iterable[Mapping[str, Any]]) -> dict[str, list[str]]
             if props.get(key):
                 found[bucket].add(str(props[key]))
     return {k: sorted(v) for k, v in found.items()}
+
+
+#: Markdown sections an area adds to every report (its pytest plugin registers them): ``section(tests) -> lines``
+_SECTIONS: list[Callable[[list[Mapping[str, Any]]], list[str]]] = []
+
+
+def register_section(section: Callable[[list[Mapping[str, Any]]], list[str]]) -> None:
+    """Add an area's report section (after the failures and the cross-case patterns; once per function)."""
+    if section not in _SECTIONS:
+        _SECTIONS.append(section)
 
 
 def render_markdown(summary: Mapping[str, Any]) -> str:
@@ -320,7 +330,7 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
     for r in table_rows(tests):
         lines.append(
             f"| {r['area']} | {r['backend']} | {r['pass']} | {r['fail']} | {r['xfail']} | {r['skip']} "
-            f"| {_fmt_ratio(r['worst_bound_ratio'])} | {_cell(_fmt_ids(r['failing']))} |"
+            f"| {_fmt_ratio(r['worst_bound_ratio'])} | {markdown_cell(_fmt_ids(r['failing']))} |"
         )
     failing = [t for t in tests if t["outcome"] in FAILING_OUTCOMES]
     if failing or summary.get("run_errors"):
@@ -332,50 +342,32 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
         for t in failing:
             lines += [f"### `{t['nodeid']}`", "", f"- outcome: **{t['outcome']}** ({t['area']}, tier {t['tier']})"]
             if t["message"]:
-                lines.append(f"- message: {_cell(t['message'][:_MAX_MESSAGE])}")
+                lines.append(f"- message: {markdown_cell(t['message'][:_MAX_MESSAGE])}")
             ratio = bound_ratio_of(t)
             if ratio is not None:
                 lines.append(f"- bound ratio: {_fmt_ratio(ratio)}")
             if t.get("properties", {}).get("diagnosis"):
-                lines.append(f"- likely cause: {_cell(str(t['properties']['diagnosis']))}")
+                lines.append(f"- likely cause: {markdown_cell(str(t['properties']['diagnosis']))}")
             for path in t["artifacts"]:
                 lines.append(f"- artifact: `{path}`")
             if t["repro"]:
                 lines += ["", "```bash", t["repro"], "```"]
             lines.append("")
     lines += _patterns_section(tests)
-    lines += _perf_section(tests)
+    for section in _SECTIONS:
+        lines += section(tests)
     xfailed = [t for t in tests if t["outcome"] == "xfailed"]
     if xfailed:
         lines += ["", "## Expected failures", "", "| Case | Reason |", "| --- | --- |"]
-        lines += [f"| `{t['nodeid']}` | {_cell(t['message'])} |" for t in xfailed]
+        lines += [f"| `{t['nodeid']}` | {markdown_cell(t['message'])} |" for t in xfailed]
     skipped: dict[str, int] = {}
     for t in tests:
         if t["outcome"] == "skipped":
             skipped[t["message"]] = skipped.get(t["message"], 0) + 1
     if skipped:
         lines += ["", "## Skipped, by reason", "", "| Reason | Tests |", "| --- | ---: |"]
-        lines += [f"| {_cell(reason)} | {n} |" for reason, n in sorted(skipped.items(), key=lambda kv: -kv[1])]
+        lines += [f"| {markdown_cell(reason)} | {n} |" for reason, n in sorted(skipped.items(), key=lambda kv: -kv[1])]
     return "\n".join(lines).rstrip() + "\n"
-
-
-def _perf_section(tests: Iterable[Mapping[str, Any]]) -> list[str]:
-    """The perf tier's table (tests that recorded a ``perf`` property; see :mod:`conformance.perf.measure`)."""
-    from conformance.perf.measure import TABLE_HEADER, table_cells
-
-    rows = [t["properties"]["perf"] for t in tests if isinstance(t.get("properties", {}).get("perf"), Mapping)]
-    if not rows:
-        return []
-    rows.sort(key=lambda r: (r["kind"], r["shape"], r["tokens"], r["backend"]))
-    lines = ["", "## Performance", "",
-             "Backend time per shape next to a BF16 baseline of the same shape and the W4A16 floor "
-             "(bytes it must move / measured copy bandwidth, FLOPs / measured BF16 matmul rate), all measured in "
-             "this run; flags are findings, not failures (docs/perf.md).", ""]
-    lines += [f"- yardsticks: {y}" for y in sorted({str(r.get("yardsticks", "")) for r in rows} - {""})]
-    lines += [f"- baseline: {b}" for b in sorted({str(r.get("baseline", "")) for r in rows} - {""})]
-    lines += ["", "| " + " | ".join(TABLE_HEADER) + " |", "|" + " --- |" * 3 + " ---: |" * 7 + " --- |"]
-    lines += ["| " + " | ".join(_cell(c) for c in table_cells(r)) + " |" for r in rows]
-    return lines
 
 
 def _patterns_section(tests: Iterable[Mapping[str, Any]]) -> list[str]:
@@ -388,5 +380,5 @@ def _patterns_section(tests: Iterable[Mapping[str, Any]]) -> list[str]:
     lines = ["", "## Likely causes across cases", "",
              "A check failing only on cases that share a feature, or only beyond a size, points at the code that "
              "handles them (docs/reports.md, 'Likely causes'); the failures above are the verdict.", ""]
-    lines += [f"- {area}, {backend}: [{d.rule}] {_cell(d.text)}" for area, backend, d in found]
+    lines += [f"- {area}, {backend}: [{d.rule}] {markdown_cell(d.text)}" for area, backend, d in found]
     return lines

@@ -1,5 +1,6 @@
 """Which implementation is under test: the one way an option names one, over the one table of built-ins
-(:data:`conformance.adapters.BUILTINS`: a row per vendor folder).
+(:data:`BUILTINS`: a row per vendor folder of :mod:`conformance.adapters`; the rows name
+``module:attr`` strings, so the framework never imports an adapter until an option selects it).
 
 Options and the interfaces they select (:data:`OPTIONS`): ``--backend`` the kernel (:class:`Backend`),
 ``--engine`` the configuration rules (:class:`RulesEngine`) and the layer code (:class:`LayerCodeEngine`) at
@@ -13,16 +14,62 @@ import importlib
 import os
 import warnings
 from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any
 
-from conformance.adapters import (  # noqa: F401 - the table, re-exported for the framework
-    BUILTINS,
-    INTERFACES,
-    Builtin,
-    EngineUnavailable,
-    names_for,
-    register,
-)
+from conformance.interfaces.errors import EngineUnavailable
+from conformance.interfaces.kernel import Backend
+
+
+#: interface key -> the class its implementations must be (``module:attr``; imported only when checking)
+INTERFACES = {
+    "kernel": "conformance.interfaces.kernel:Backend",
+    "rules": "conformance.interfaces.rules:RulesEngine",
+    "layer_code": "conformance.interfaces.layer_code:LayerCodeEngine",
+    "server": "conformance.interfaces.server:ServerDialect",
+}
+
+
+@dataclass(frozen=True)
+class Builtin:
+    """One built-in implementation: ``implements`` maps interface keys (:data:`INTERFACES`) to ``module:attr``;
+    ``rules_profile``: the rules profile its rules are judged by unless ``--rules-profile`` says otherwise."""
+
+    name: str
+    implements: dict[str, str]
+    rules_profile: str | None = None
+
+
+def _adapter(vendor: str, module: str, attr: str) -> str:
+    return f"conformance.adapters.{vendor}.{module}:{attr}"
+
+
+BUILTINS: dict[str, Builtin] = {b.name: b for b in (
+    Builtin("reference", {"kernel": _adapter("reference", "kernel", "ReferenceBackend"),
+                          "rules": _adapter("reference", "rules", "ReferenceRules")}),
+    Builtin("flashinfer", {"kernel": _adapter("flashinfer", "kernel", "all_backends")}),
+    Builtin("sglang", {"rules": _adapter("sglang", "rules", "load"),
+                       "layer_code": _adapter("sglang", "layer_code", "SGLangLayerCode"),
+                       "server": _adapter("sglang", "server", "SGLangDialect")}),
+    Builtin("openai", {"server": "conformance.server.openai:OpenAIDialect"}),
+    Builtin("vllm", {"rules": _adapter("vllm", "rules", "load"),
+                     "layer_code": _adapter("vllm", "layer_code", "VLLMLayerCode"),
+                     "server": _adapter("vllm", "server", "VLLMDialect")}, rules_profile="vllm-0.32"),
+)}
+
+
+def register(builtin: Builtin) -> None:
+    """Add (or replace) a built-in row, e.g. from a vendor's pytest plugin."""
+    unknown = set(builtin.implements) - set(INTERFACES)
+    if unknown:
+        raise ValueError(f"{builtin.name}: unknown interface(s) {sorted(unknown)}; known: {sorted(INTERFACES)}")
+    BUILTINS[builtin.name] = builtin
+
+
+def names_for(interface: str) -> list[str]:
+    """The built-in names implementing ``interface``, in table order."""
+    return [b.name for b in BUILTINS.values() if interface in b.implements]
+
 
 _LABELS = {"kernel": "backend", "rules": "engine", "layer_code": "engine", "server": "server API"}
 
@@ -126,6 +173,58 @@ def rules_profile_of(name: str) -> str | None:
     return row.rules_profile if row else None
 
 
-__all__ = ["BUILTINS", "Builtin", "EngineLoadError", "EngineUnavailable", "INTERFACES", "NotImplementedHere", "OPTIONS", "Option", "SelectionError",
-           "import_target", "instantiate", "names_for", "option_value", "register", "rules_profile_of",
-           "target_of"]
+# ------------------------------------------------------------------------------------------- --backend
+BACKEND_ENV_VAR = OPTIONS["--backend"].env
+DEFAULT_BACKEND = OPTIONS["--backend"].defaults["kernel"]
+
+
+def builtin_backends() -> dict[str, str]:
+    """Built-in backend name -> ``module:attr`` (a view of the table's ``kernel`` column)."""
+    return {n: target_of(n, "kernel") for n in names_for("kernel")}
+
+
+class BackendLoadError(SelectionError):
+    """The backend named on the command line could not be imported or built."""
+
+
+def backend_spec_from_env(cli_value: str | None) -> str:
+    return option_value("--backend", cli_value, "kernel")
+
+
+def load_backends(spec: str) -> list[Backend]:
+    """Resolve ``spec`` (built-in names or ``module:attr``, comma-separated) to backend instances.
+    ``attr`` may be a :class:`Backend` subclass, an instance, or a zero-argument callable returning an
+    instance or a list of instances (one per kernel variant, each its own parametrization)."""
+    parts = [p.strip() for p in spec.split(",")]
+    if not all(parts):
+        raise BackendLoadError(f"empty backend name in {spec!r}")
+    backends = [b for part in parts for b in _load_one(part)]
+    names = [b.name for b in backends]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise BackendLoadError(f"{spec!r} names backend(s) {duplicates} more than once (test ids must be unique)")
+    return backends
+
+
+def _load_one(spec: str) -> list[Backend]:
+    try:
+        target = target_of(spec, "kernel")
+        obj = import_target(target)
+    except SelectionError as exc:
+        raise BackendLoadError(str(exc)) from exc
+    if isinstance(obj, type) and not issubclass(obj, Backend):
+        raise BackendLoadError(f"{target} is {obj!r}, which is not a conformance.interfaces.kernel.Backend")
+    obj = instantiate(obj, "kernel")
+    backends = [obj] if isinstance(obj, Backend) else list(obj) if isinstance(obj, Iterable) else [obj]
+    for b in backends:
+        if not isinstance(b, Backend):
+            raise BackendLoadError(f"{target} produced {b!r}, which is not a conformance.interfaces.kernel.Backend")
+    if not backends:
+        raise BackendLoadError(f"{target} produced no backend")
+    return backends
+
+
+__all__ = ["BACKEND_ENV_VAR", "BUILTINS", "DEFAULT_BACKEND", "INTERFACES", "OPTIONS", "BackendLoadError", "Builtin",
+           "EngineLoadError", "EngineUnavailable", "NotImplementedHere", "Option", "SelectionError",
+           "backend_spec_from_env", "builtin_backends", "import_target", "instantiate", "load_backends", "names_for",
+           "option_value", "register", "rules_profile_of", "target_of"]

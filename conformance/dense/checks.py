@@ -21,7 +21,7 @@ from reference_impl.dense import dense_alpha, w4a16_linear_exact
 from reference_impl.nvfp4 import E2M1_MAGNITUDES
 
 from conformance.interfaces.kernel import Backend, DenseLayer
-from conformance.dense.bounds import (
+from reference_impl.bounds.dense import (
     FLASHINFER_MAX_REL_L2,
     FLASHINFER_MIN_COSINE,
     U_BF16,
@@ -80,7 +80,7 @@ def describe_inputs(run: DenseRun) -> str:
 
 
 def exact_and_bound(run: DenseRun) -> tuple[torch.Tensor, torch.Tensor]:
-    """The exact fp64 output ``y*`` and the per-element bound of :func:`conformance.dense.bounds.dense_error_bound`
+    """The exact fp64 output ``y*`` and the per-element bound of :func:`reference_impl.bounds.dense.dense_error_bound`
     (computed once per run and kept on it: the inputs of a run never change)."""
     exact, magnitude = _exact_and_magnitude(run)
     cached = run.__dict__.get("_bound")
@@ -117,7 +117,7 @@ def pre_rounding_allowance(run: DenseRun) -> torch.Tensor:
     """``d``: how far a single-rounding implementation's value before its final bf16 rounding may be from ``y*``:
     the bound without its output-rounding term, and without the allowances for rounding the weights (or the
     AWQ-scaled activations) to bf16 where those values are bf16 numbers already, so rounding them is exact
-    (:func:`conformance.dense.bounds.dense_error_bound`, terms 2-7)."""
+    (:func:`reference_impl.bounds.dense.dense_error_bound`, terms 2-7)."""
     exact, magnitude = _exact_and_magnitude(run)
     layer = run.layer
     prescaled_exact = layer.pre_quant_scale is not None and is_bf16_exact(

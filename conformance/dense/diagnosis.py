@@ -34,7 +34,7 @@ from conformance._framework.diagnosis import (CaseOutcome, Diagnosis, Evidence, 
                                               appending_diagnoses)
 from conformance.dense.checks import NAMED_CHECKS, STRICT_CHECKS, DenseRun, exact_and_bound, failing_checks_of_run
 from conformance.interfaces.kernel import Backend
-from conformance.dense.bounds import dense_error_bound
+from reference_impl.bounds.dense import dense_error_bound
 from conformance.interfaces.kernel import DenseLayer
 
 AREA = "dense"

@@ -12,7 +12,7 @@ import torch
 from reference_impl.dense import w4a16_linear_exact
 
 from conformance.interfaces.kernel import Backend, DenseLayer
-from conformance.dense.bounds import ErrorFigures, dense_error_bound, error_figures
+from reference_impl.bounds.dense import ErrorFigures, dense_error_bound, error_figures
 from conformance._framework.cases import case_for_backend
 from conformance.dense.cases import DenseCase, build_activations, build_layer
 from conformance._framework.snapshots import load_snapshot, snapshot_root, tensors_sha256

@@ -1,11 +1,11 @@
 """Single-rounding statistics for BF16 outputs: do they come from ONE round-to-nearest of an fp32 (or better)
 accumulation, or did the datapath round once more (split-K partial sums stored in BF16, a truncating final
-FP32 -> BF16 conversion)? The per-element error bound (:mod:`conformance.dense.bounds`) cannot see that: it allows
+FP32 -> BF16 conversion)? The per-element error bound (:mod:`reference_impl.bounds.dense`) cannot see that: it allows
 each output half a BF16 ulp plus the accumulation allowance, and one extra rounding stays inside it.
 
 Everything is measured against the exact value ``y*`` (fp64) and the contract's *pre-rounding allowance*
 ``d`` = the error bound minus its final-rounding term: a conforming implementation computes some ``p`` with
-``|p - y*| <= d`` and returns ``RN_bf16(p)`` (see :func:`conformance.dense.bounds.dense_error_bound`, terms 2-7).
+``|p - y*| <= d`` and returns ``RN_bf16(p)`` (see :func:`reference_impl.bounds.dense.dense_error_bound`, terms 2-7).
 
 1. **Correct rounding on decidable elements** (deterministic, no false failures). Round-to-nearest is
    monotone, so if ``RN(y* - d) == RN(y* + d)`` every admissible ``p`` rounds to that value: the output must

@@ -1,6 +1,6 @@
 """Engine-integration cases as data: which checkpoint goes through which engine path.
 
-Dense cases reuse :class:`conformance.dense.cases.DenseCase` for the checkpoint (each fused shard
+Dense cases reuse :class:`conformance._framework.dense_layers.DenseCase` for the checkpoint (each fused shard
 quantized on its own, so fused QKV carries different ``weight_scale_2`` per shard, and every layer
 carries a W4A4 ``input_scale`` far from 1, so an alpha that wrongly includes it is visible). MoE cases
 quantize every global expert's gate, up and down projection with the ModelOpt recipe; input scales are
@@ -15,7 +15,7 @@ import torch
 
 from reference_impl.nvfp4 import E2M1_MAX, E4M3_MAX, quantize_modelopt
 
-from conformance.dense.cases import DenseCase
+from conformance._framework.dense_layers import DenseCase
 from conformance.engine_harness.core import MoECheckpoint, Mode
 
 

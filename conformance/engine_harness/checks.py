@@ -2,12 +2,12 @@
 computed straight from the checkpoint tensors (never from the engine's prepared tensors).
 
 * dense W4A16: ``y* = ((x * pqs) @ W^T) * max(weight_scale_2) + bias`` (docs/contracts.md section 2), judged by
-  :func:`conformance.dense.bounds.dense_error_bound`.
+  :func:`reference_impl.bounds.dense.dense_error_bound`.
 * dense W4A4: the activations ``x' = bf16(x * pqs)`` are NVFP4-quantized with the kernel recipe and the
   global encode scale ``1 / max(input_scale)`` (bit-exact, :func:`reference_impl.nvfp4.quantize_kernel`),
   ``y* = (q(x') @ W^T) * (max(input_scale) * max(weight_scale_2)) + bias``, evaluated exactly; the same
   dense bound applies with ``x'`` replaced by the exact dequantized codes (``e2m1 * e4m3``: exact in bf16).
-* MoE W4A16: :func:`conformance.moe.bounds.moe_error_bound` on this rank's experts.
+* MoE W4A16: :func:`reference_impl.bounds.moe.moe_error_bound` on this rank's experts.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from reference_impl.dense import w4a16_linear_exact
 from reference_impl.nvfp4 import BLOCK_SIZE, e2m1_decode, e4m3_decode, quantize_kernel, unpack_nibbles
 
 from conformance.interfaces.kernel import DenseLayer
-from conformance.dense.bounds import dense_error_bound, error_figures
+from reference_impl.bounds.dense import dense_error_bound, error_figures
 from conformance.engine_harness.core import EngineRun, MoECheckpoint
 
 
@@ -45,7 +45,7 @@ def dense_reference(ckpt: DenseLayer, x: torch.Tensor, mode: str) -> tuple[torch
 
 
 def moe_reference(ckpt: MoECheckpoint, x, topk_ids, topk_weights) -> tuple[torch.Tensor, torch.Tensor]:
-    from conformance.moe.bounds import moe_error_bound
+    from reference_impl.bounds.moe import moe_error_bound
 
     b = moe_error_bound(x, topk_ids, topk_weights, ckpt.local_experts())
     return b.exact, b.bound
@@ -100,7 +100,7 @@ def failing_checks(adapter, case, platform=None) -> dict[str, str]:
     ``platform`` (a :class:`~conformance.adapters.flashinfer.platform.FlashInferPlatform`) selects the ``b200``
     variant: the engine's layer code calls that platform's FlashInfer (the real kernels on a B200, the emulator
     under ``--flashinfer-emulated``) on the ``b200`` tier's device. ``None``: the emulator on the CPU."""
-    from conformance.dense.cases import build_activations, build_layer
+    from conformance._framework.dense_layers import build_activations, build_layer
     from conformance.engine_harness.cases import EngineDenseCase, build_moe_checkpoint, build_moe_inputs
     from conformance.engine_harness.core import run_scenario
 

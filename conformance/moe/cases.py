@@ -28,7 +28,7 @@ import torch
 
 from reference_impl.moe import is_gated
 from reference_impl.nvfp4 import E2M1_MAX, E4M3_MAX, quantize_modelopt
-from reference_impl.routing import route_all_to_one, sigmoid_topk_with_bias, softmax_topk
+from reference_impl.routing import duplicate_slots, padding_slots, route_all_to_one, sigmoid_topk_with_bias, softmax_topk  # noqa: F401
 
 from conformance.interfaces.kernel import CaseInfo, MoEExperts
 from conformance._framework.cases import WithinBound
@@ -39,7 +39,7 @@ Routing = Literal[
     "duplicate_ids", "padding_ids", "all_slots_one_expert", "rank0_only",
 ]
 MoEXKind = Literal["gaussian", "beyond_fp16", "below_fp16_normal"]
-MOE_BOUND = WithinBound("conformance.moe.bounds.moe_error_bound")
+MOE_BOUND = WithinBound("conformance.moe.bounds.moe_error_bound")  # the name golden snapshots carry (still importable)
 GATE_UP_RATIOS = {"tied": 1.0, "pow2": 2.0, "general": 1.37}
 
 
@@ -195,29 +195,6 @@ def build_inputs(case: MoECase, device: torch.device | str | None = None) -> tup
     elif case.routing == "padding_ids":
         ids, w = padding_slots(ids, w, g)
     return x, ids, w
-
-
-def duplicate_slots(ids: torch.Tensor, w: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Half the tokens name their first expert again in their last slot (every slot keeps its own weight; with
-    top-k >= 4 a quarter also in slot 1: three times). Both slots count (docs/moe.md)."""
-    ids = ids.clone()
-    t = ids.shape[0]
-    again = torch.rand(t, generator=g, device=ids.device) < 0.5
-    ids[:, -1] = torch.where(again, ids[:, 0], ids[:, -1])
-    if ids.shape[1] >= 4:
-        thrice = again & (torch.rand(t, generator=g, device=ids.device) < 0.5)
-        ids[:, 1] = torch.where(thrice, ids[:, 0], ids[:, 1])
-    return ids, w
-
-
-def padding_slots(ids: torch.Tensor, w: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """A quarter of the slots and every 8th token entirely (a padded row) get id -1; their weights are NaN,
-    standing for the uninitialised memory engines leave there (a skipped slot's weight is never read)."""
-    skipped = torch.rand(ids.shape, generator=g, device=ids.device) < 0.25
-    skipped |= (torch.arange(ids.shape[0], device=ids.device) % 8 == 7).view(-1, 1)
-    ids = torch.where(skipped, torch.full_like(ids, -1), ids)
-    w = torch.where(skipped, torch.full_like(w, float("nan")), w)
-    return ids, w
 
 
 def _cpu_cases() -> list[MoECase]:

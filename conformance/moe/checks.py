@@ -17,8 +17,8 @@ import torch
 from reference_impl.moe import fused_moe_exact
 
 from conformance.interfaces.kernel import Backend, MoEExperts
-from conformance.dense.bounds import FLASHINFER_MAX_REL_L2, FLASHINFER_MIN_COSINE
-from conformance.moe.bounds import ErrorFigures, MoEBound, error_figures, moe_error_bound
+from reference_impl.bounds.dense import FLASHINFER_MAX_REL_L2, FLASHINFER_MIN_COSINE
+from reference_impl.bounds.moe import ErrorFigures, MoEBound, error_figures, moe_error_bound
 from conformance.moe.cases import MoECase, build_global_experts, build_inputs, rank_slice
 
 DETERMINISM_REPEATS = 3
@@ -108,7 +108,7 @@ def check_moe_output_contract(run: MoERun) -> None:
 
 def check_moe_within_bound(run: MoERun, record: Callable[[ErrorFigures], None] | None = None) -> ErrorFigures:
     """Every rank's output within the derived per-element bound of its exact value
-    (:func:`conformance.moe.bounds.moe_error_bound`). Returns the figures of the worst rank; ``record``
+    (:func:`reference_impl.bounds.moe.moe_error_bound`). Returns the figures of the worst rank; ``record``
     receives each rank's figures before its assertion (so a failing case's report shows them)."""
     check_moe_output_contract(run)
     worst = None

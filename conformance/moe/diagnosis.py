@@ -24,7 +24,7 @@ from conformance._framework.diagnosis import (CaseOutcome, Diagnosis, Evidence, 
 from conformance.moe.checks import MoERun, failing_moe_checks_of_run, rank_bounds
 from conformance.interfaces.kernel import Backend
 from conformance.interfaces.kernel import MoEExperts
-from conformance.moe.bounds import moe_error_bound
+from reference_impl.bounds.moe import moe_error_bound
 
 AREA = "MoE"
 BOUND = "moe_within_bound"

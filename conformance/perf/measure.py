@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from conformance.interfaces.kernel import Backend, CaseInfo, DenseLayer, MoEExperts
-from conformance.dense.cases import LLM_SHAPES
+from conformance._framework.dense_layers import LLM_SHAPES
 
 WARMUP = 3
 REPEATS = 10

@@ -20,6 +20,9 @@ from typing import Any
 
 import pytest
 
+from conformance._framework.reporting import markdown_cell, register_section
+from conformance.perf.measure import TABLE_HEADER, table_cells
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
@@ -134,3 +137,23 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     widths = [max(len(c[i]) for c in cells) for i in range(len(TABLE_HEADER) - 1)]
     for c in cells:
         tr.line(" | ".join(v.rjust(w) for v, w in zip(c, widths)) + (" | " + c[-1] if c[-1] else ""))
+
+
+def perf_section(tests: list[dict[str, Any]]) -> list[str]:
+    """The report's perf table (tests that recorded a ``perf`` property; see :mod:`conformance.perf.measure`)."""
+    rows = [t["properties"]["perf"] for t in tests if isinstance(t.get("properties", {}).get("perf"), dict)]
+    if not rows:
+        return []
+    rows.sort(key=lambda r: (r["kind"], r["shape"], r["tokens"], r["backend"]))
+    lines = ["", "## Performance", "",
+             "Backend time per shape next to a BF16 baseline of the same shape and the W4A16 floor "
+             "(bytes it must move / measured copy bandwidth, FLOPs / measured BF16 matmul rate), all measured in "
+             "this run; flags are findings, not failures (docs/perf.md).", ""]
+    lines += [f"- yardsticks: {y}" for y in sorted({str(r.get("yardsticks", "")) for r in rows} - {""})]
+    lines += [f"- baseline: {b}" for b in sorted({str(r.get("baseline", "")) for r in rows} - {""})]
+    lines += ["", "| " + " | ".join(TABLE_HEADER) + " |", "|" + " --- |" * 3 + " ---: |" * 7 + " --- |"]
+    lines += ["| " + " | ".join(markdown_cell(c) for c in table_cells(r)) + " |" for r in rows]
+    return lines
+
+
+register_section(perf_section)

