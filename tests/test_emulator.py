@@ -135,3 +135,43 @@ def test_standin_replaces_and_restores_flashinfer():
     import os
 
     assert "NVFP4_HARNESS_TEST" not in os.environ
+
+
+def test_standin_owns_the_engine_contexts():
+    """A subclass's engine_contexts are entered after the patches and exited first, in reverse order; one that
+    fails while entering undoes those entered before it and the stand-in itself."""
+    import contextlib
+    import types
+
+    target = types.SimpleNamespace(bound="original")
+    log = []
+
+    @contextlib.contextmanager
+    def context(name, fail=False):
+        log.append(f"enter {name} (bound={target.bound})")
+        if fail:
+            raise RuntimeError(name)
+        try:
+            yield
+        finally:
+            log.append(f"exit {name}")
+
+    class EngineStandIn(StandIn):
+        fail = False
+
+        def engine_contexts(self):
+            yield context("a")
+            yield context("b", fail=self.fail)
+
+    with EngineStandIn(fe.flashinfer_module_tree(), [AttrPatch(target, "bound", "patched")]):
+        assert target.bound == "patched"
+    assert log == ["enter a (bound=patched)", "enter b (bound=patched)", "exit b", "exit a"]
+    assert target.bound == "original"
+    log.clear()
+    failing = EngineStandIn(fe.flashinfer_module_tree(), [AttrPatch(target, "bound", "patched")])
+    failing.fail = True
+    with pytest.raises(RuntimeError, match="b"):
+        with failing:
+            pass
+    assert log == ["enter a (bound=patched)", "enter b (bound=patched)", "exit a"]
+    assert target.bound == "original" and not failing.active

@@ -4,6 +4,7 @@ import torch
 
 from conformance._framework import tiers
 from conformance._framework.tiers import Gpu, Hardware, stricter_tier, tier_skip_reason
+from conformance.interfaces import hardware
 
 H200 = Gpu("NVIDIA H200", (9, 0))
 B200 = Gpu("NVIDIA B200", (10, 0))
@@ -57,8 +58,9 @@ def test_no_tier_offers_both_is_an_error(a, b):
 
 def test_b200_emulation_runs_on_this_hosts_device(monkeypatch):
     """--flashinfer-emulated: the b200 tier's cases run on CUDA when there is one, else on the CPU; nothing else
-    changes device. Without emulation b200 cases always target CUDA."""
-    monkeypatch.setattr(tiers, "_b200_emulation", [])
+    changes device. Without emulation b200 cases always target CUDA. (The switch is
+    conformance.interfaces.hardware's, which tiers re-exports: it is patched there.)"""
+    monkeypatch.setattr(hardware, "_b200_emulation", [])
     monkeypatch.delenv(tiers.B200_EMULATION_ENV_VAR, raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert not tiers.b200_emulated() and tiers.device_for_tier("b200") == "cuda"
@@ -67,9 +69,10 @@ def test_b200_emulation_runs_on_this_hosts_device(monkeypatch):
     assert tiers.device_for_tier("cuda") == "cuda" and tiers.device_for_tier("cpu") == "cpu"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert tiers.device_for_tier("b200") == "cuda"
-    monkeypatch.setattr(tiers, "_b200_emulation", [])
+    monkeypatch.setattr(hardware, "_b200_emulation", [])
     monkeypatch.setenv(tiers.B200_EMULATION_ENV_VAR, "1")
     assert tiers.b200_emulated()
+    assert tiers.b200_emulated is hardware.b200_emulated and tiers.Gpu is hardware.Gpu
 
 
 def test_flashinfer_cases_take_the_b200_tier_and_keep_their_ids():

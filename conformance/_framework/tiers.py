@@ -7,13 +7,21 @@ A test parametrized by a backend needs the stricter of its case's tier and the b
 (:func:`stricter_tier`): the FlashInfer backends need ``b200``, so every case run against them is a ``b200`` test.
 ``b200`` can be *emulated* (``pytest --flashinfer-emulated``, :func:`set_b200_emulation`): FlashInfer's entry
 points are then the emulator's and run on this host's device (:func:`device_for_tier`); such runs are
-rehearsals of the b200 code path, never B200 results.
+rehearsals of the b200 code path, never B200 results. The hardware value types (:class:`Gpu`, :class:`Hardware`) and
+the emulation switch live in :mod:`conformance.interfaces.hardware` (adapters read them there); this module
+re-exports them.
 """
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
 from functools import lru_cache
+
+from conformance.interfaces.hardware import (  # noqa: F401 - re-exported: the names this module offered
+    B200_EMULATION_ENV_VAR,
+    Gpu,
+    Hardware,
+    b200_emulated,
+    set_b200_emulation,
+)
 
 TIERS = ("cpu", "cuda", "sm90", "b200", "multi_gpu", "b200_4gpu")
 TIER_DESCRIPTIONS = {
@@ -36,9 +44,6 @@ _IMPLIES = {
 }
 if set(_IMPLIES) != set(TIERS):  # a tier added to TIERS must say what it implies (stricter_tier needs it)
     raise RuntimeError(f"conformance._framework.tiers: _IMPLIES lists {sorted(_IMPLIES)}, TIERS has {sorted(TIERS)}")
-#: ``1`` in the environment has the same effect as :func:`set_b200_emulation` (``--flashinfer-emulated``).
-B200_EMULATION_ENV_VAR = "NVFP4_FLASHINFER_EMULATED"
-_b200_emulation: list[bool] = []
 
 
 class NoTierOffersBoth(ValueError):
@@ -57,43 +62,6 @@ def stricter_tier(a: str, b: str) -> str:
     if len(least) != 1:
         raise NoTierOffersBoth(f"no hardware tier offers both {a!r} and {b!r}")
     return least[0]
-
-
-def set_b200_emulation(enabled: bool) -> None:
-    """Emulate the ``b200`` tier in this process (the ``--flashinfer-emulated`` option calls this)."""
-    _b200_emulation[:] = [bool(enabled)]
-
-
-def b200_emulated() -> bool:
-    """Whether the ``b200`` tier is emulated: :func:`set_b200_emulation`, else ``$NVFP4_FLASHINFER_EMULATED``."""
-    if _b200_emulation:
-        return _b200_emulation[0]
-    return os.environ.get(B200_EMULATION_ENV_VAR, "") == "1"
-
-
-@dataclass(frozen=True)
-class Gpu:
-    name: str
-    capability: tuple[int, int]
-
-    def describe(self) -> str:
-        return f"SM{self.capability[0]}{self.capability[1]} ({self.name})"
-
-
-@dataclass(frozen=True)
-class Hardware:
-    gpus: tuple[Gpu, ...] = ()
-
-    def describe(self) -> str:
-        if not self.gpus:
-            return "no CUDA GPU (CPU only)"
-        kinds: dict[str, int] = {}
-        for g in self.gpus:
-            kinds[g.describe()] = kinds.get(g.describe(), 0) + 1
-        return ", ".join(f"{n} x {k}" if n > 1 else k for k, n in kinds.items())
-
-    def count(self, capabilities=None) -> int:
-        return sum(1 for g in self.gpus if capabilities is None or g.capability in capabilities)
 
 
 @lru_cache(maxsize=1)

@@ -15,13 +15,17 @@ Checks (named, like :mod:`.checks`):
   applied with the CuTe DSL scalar global scale ``1 / max_e(w13 input_scale)`` (computed here from the
   checkpoint's input scales), linear ``[T, H/16]`` E4M3 scales, and an ``fc2_input_scale``.
 * ``output_within_bound`` (W4A16 only): the MoE output against the checkpoint reference within the derived
-  bound (:func:`conformance.moe.bounds.moe_error_bound`). The emulator models the W4A16 MoE kernel only, so
+  bound (:func:`reference_impl.bounds.moe.moe_error_bound`). The emulator models the W4A16 MoE kernel only, so
   the W4A4 kernel call is recorded and answered with zeros: for W4A4 this scenario checks what reaches the
   kernel, not its numbers.
 
-An engine provides the scenario as ``adapter.flashinfer_a2a_prefill(ckpt, mode, x, topk_ids, topk_weights)``
-returning a :class:`PrefillObservation` (SGLang's: :mod:`conformance.adapters.sglang.a2a_prefill`); without it the
-cases skip with that reason.
+An engine provides the scenario as
+``adapter.flashinfer_a2a_prefill(ckpt, mode, x, topk_ids, topk_weights, modules=...)`` returning a
+:class:`~conformance.interfaces.layer_code.PrefillCombine` (the interface's optional
+:attr:`~conformance.interfaces.layer_code.LayerCodeEngine.flashinfer_a2a_prefill`; SGLang's:
+:mod:`conformance.adapters.sglang.a2a_prefill`); without it the cases skip with that reason. The harness passes
+``modules``, the emulator tree of :func:`recording_modules`, and reads what reached the kernel from its recording
+(:class:`PrefillObservation`).
 """
 from __future__ import annotations
 
@@ -35,12 +39,14 @@ from reference_impl.nvfp4 import quantize_kernel
 from conformance.engine_harness.cases import EngineMoECase, build_moe_checkpoint, build_moe_inputs
 from conformance.engine_harness.checks import check_output_within_bound, moe_reference
 from conformance.engine_harness.core import EngineRun, recording_module_tree
+from conformance.interfaces.layer_code import PrefillCombine
 
 
 @dataclass(frozen=True)
 class PrefillObservation:
     """What the prefill scenario saw: the combine input's kind (``standard``/``flashinfer``/type name), the
-    tensor it holds, the kernel call's keyword arguments (tensors as passed) and the kernel's output."""
+    tensor it holds (both from the engine's :class:`~conformance.interfaces.layer_code.PrefillCombine`), the
+    kernel call's keyword arguments (tensors as passed) and the kernel's output (both recorded by the harness)."""
 
     combine: str
     combined: Any
@@ -90,7 +96,20 @@ def w4a4_expected_activations(case: EngineMoECase, x: torch.Tensor) -> tuple[tor
 def prefill_runner(adapter):
     """The adapter's FlashInfer-A2A prefill scenario, or ``None`` when it has none."""
     own = getattr(adapter, "flashinfer_a2a_prefill", None)
-    return None if own is None else (lambda _adapter, *args: own(*args))
+    return None if own is None else (lambda _adapter, *args, **kwargs: own(*args, **kwargs))
+
+
+def observe_prefill(runner, adapter, ckpt, mode, x: torch.Tensor, ids: torch.Tensor,
+                    weights: torch.Tensor) -> PrefillObservation:
+    """Run the engine's prefill scenario under the recording emulator tree; what it returned and what the
+    kernel received (exactly one kernel run, else ``AssertionError``)."""
+    calls: list = []
+    runs: list = []
+    combine: PrefillCombine = runner(adapter, ckpt, mode, x, ids, weights, modules=recording_modules(calls, runs))
+    if len(runs) != 1:
+        raise AssertionError(f"the CuTe DSL kernel ran {len(runs)} times in one prefill")
+    kwargs, output = runs[0]
+    return PrefillObservation(combine.combine, combine.combined, kwargs, output)
 
 
 def prefill_failures(adapter, case: EngineMoECase) -> dict[str, str]:
@@ -101,7 +120,7 @@ def prefill_failures(adapter, case: EngineMoECase) -> dict[str, str]:
     ckpt = build_moe_checkpoint(case)
     x, ids, weights = build_moe_inputs(case)
     try:
-        seen: PrefillObservation = runner(adapter, ckpt, case.mode, x, ids, weights)
+        seen = observe_prefill(runner, adapter, ckpt, case.mode, x, ids, weights)
     except Exception as exc:  # noqa: BLE001 - an engine/emulator error fails the scenario, with its text
         return {"scenario_completes": f"{type(exc).__name__}: {exc}"}
     failures: dict[str, str] = {}

@@ -1,8 +1,9 @@
 """The engine-neutral part of the harness: the scenario (build the engine's layer, load the checkpoint through
 its loaders, post-process, forward, reload, forward again) and what it observed, for the named checks.
 
-The interface an engine implements is :class:`conformance.interfaces.layer_code.LayerCodeEngine` (``sglang.py``
-is the first); it knows how to build that engine's real layer objects and which of its module-level names
+The interface an engine implements is :class:`conformance.interfaces.layer_code.LayerCodeEngine` (SGLang's,
+:mod:`conformance.adapters.sglang.layer_code`, is the first; its value types ``MoECheckpoint`` and ``Mode`` live
+there too and are re-exported here); it knows how to build that engine's real layer objects and which of its module-level names
 must point at the emulator; everything else lives here.
 """
 from __future__ import annotations

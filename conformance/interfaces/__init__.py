@@ -7,6 +7,11 @@
 * your server: :class:`conformance.interfaces.server.ServerDialect` (``--server-api``; ``--server-cmd`` or
   ``--server-url``).
 
-Built-in implementations are plain subclasses in the area packages (``conformance.backends``, ``conformance.rules``,
-``conformance.engine_harness``, ``conformance.server``).
+Built-in implementations are plain subclasses in the vendor folders (``conformance.adapters.<vendor>``); the one
+standard API, the OpenAI-compatible server dialect, ships here beside its interface
+(:class:`conformance.interfaces.server_openai.OpenAIDialect`). The other modules here are the value types and small
+helpers those implementations build on: :mod:`.standin` (the FlashInfer emulator in ``flashinfer``'s place),
+:mod:`.hardware` (GPUs, the ``b200`` emulation switch), :mod:`.upstream_source` (running an engine's own statements
+from its installed source), :mod:`.server_types` / :mod:`.server_pace`. This package imports nothing else of
+``conformance``: adapters may import only it and ``reference_impl``.
 """

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import torch
 
@@ -63,6 +63,16 @@ class MoECheckpoint:
         )
 
 
+@dataclass(frozen=True)
+class PrefillCombine:
+    """What an engine's MoE layer returned on the FlashInfer-A2A eager-prefill path
+    (:attr:`LayerCodeEngine.flashinfer_a2a_prefill`): the combine input's kind (``"standard"``, ``"flashinfer"``
+    or the engine's type name) and the tensor it holds."""
+
+    combine: str
+    combined: Any
+
+
 class LayerCodeEngine(abc.ABC):
     """One engine under the harness. All methods run inside :meth:`stand_in` (the emulator active)."""
 
@@ -105,6 +115,13 @@ class LayerCodeEngine(abc.ABC):
 
     def forward_moe(self, layer: Any, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError(f"{self.name}: no MoE integration")
+
+    #: Optional, the FlashInfer-A2A eager-prefill scenario (:mod:`conformance.engine_harness.a2a_prefill`): a method
+    #: ``flashinfer_a2a_prefill(ckpt, mode, x, topk_ids, topk_weights, *, modules) -> PrefillCombine`` that builds,
+    #: loads and post-processes the engine's MoE layer for ``ckpt`` inside :meth:`stand_in` with ``modules`` (the
+    #: harness's emulator tree, which records what reaches the kernel), then runs its quant method's FlashInfer-A2A
+    #: runner on a standard dispatch output of ``x``. ``None``: the engine has none (those cases skip).
+    flashinfer_a2a_prefill: Callable[..., PrefillCombine] | None = None
 
     # shared ------------------------------------------------------------------------------------
     @abc.abstractmethod

@@ -9,13 +9,15 @@ Two things have to change for an engine to call the emulator:
 2. Names an engine module bound *at import time* (``from flashinfer import mm_fp4 as flashinfer_fp4_gemm``)
    are attributes of that module: the engine adapter lists them as :class:`AttrPatch` es.
 
-:class:`StandIn` applies both (plus environment variables) and restores everything on exit, in reverse
-order, even when the body raises.
+:class:`StandIn` applies both (plus environment variables, plus the engine's own context managers,
+:meth:`StandIn.engine_contexts`) and restores everything on exit, in reverse order, even when the body raises.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -34,7 +36,8 @@ class AttrPatch:
 
 
 class StandIn:
-    """Context manager: emulator modules in ``sys.modules``, attribute patches, environment variables."""
+    """Context manager: emulator modules in ``sys.modules``, attribute patches, environment variables, then the
+    engine's own context managers (:meth:`engine_contexts`, one ``ExitStack`` this class owns)."""
 
     def __init__(
         self,
@@ -48,7 +51,15 @@ class StandIn:
         self._saved_modules: dict[str, ModuleType] = {}
         self._saved_attrs: list[tuple[Any, str, Any]] = []
         self._saved_env: dict[str, str | None] = {}
+        self._stack: contextlib.ExitStack | None = None
         self.active = False
+
+    def engine_contexts(self) -> Iterable[contextlib.AbstractContextManager]:
+        """The engine's own context managers (its runtime context, CPU kernels for CUDA-only custom ops, ...),
+        entered in order once the modules, environment and patches are in place, and exited first, in reverse
+        order. Override in an engine's subclass (a generator is fine: its code runs while entering, so an import
+        or setup error there undoes everything entered before it). None by default."""
+        return ()
 
     def __enter__(self) -> "StandIn":
         if self.active:
@@ -66,6 +77,9 @@ class StandIn:
             for p in self.patches:
                 self._saved_attrs.append((p.target, p.name, getattr(p.target, p.name, _MISSING)))
                 setattr(p.target, p.name, p.value)
+            self._stack = contextlib.ExitStack()
+            for context in self.engine_contexts():
+                self._stack.enter_context(context)
         except BaseException:
             self._restore()
             raise
@@ -81,6 +95,14 @@ class StandIn:
         setattr(patch.target, patch.name, patch.value)
 
     def _restore(self) -> None:
+        stack, self._stack = self._stack, None
+        try:
+            if stack is not None:
+                stack.close()
+        finally:
+            self._restore_own()
+
+    def _restore_own(self) -> None:
         for target, name, old in reversed(self._saved_attrs):
             if old is _MISSING:
                 try:

@@ -2,7 +2,8 @@
 
 :class:`conformance.interfaces.server.ServerDialect` is the interface (like httpx's ``BaseTransport``): the
 operations the scenarios need, in engine-neutral terms. Each built-in API is a plain subclass, in its
-vendor's folder (one row each in the selection table, ``conformance/_framework/selection.py``):
+vendor's folder (the standard OpenAI API beside the interface, in ``conformance/interfaces/server_openai.py``),
+one row each in the selection table (``conformance/_framework/selection.py``):
 
 * :class:`SGLangDialect`: SGLang's native endpoints (``/generate``, ``/update_weights_from_disk``,
   ``/release_memory_occupation``, ``/resume_memory_occupation``, ``/flush_cache``).

@@ -5,8 +5,8 @@
   (CUDA when present, else the CPU), with the capability check answering the emulator's SM100. Selected by
   ``pytest --flashinfer-emulated``: the b200 code path rehearsed anywhere, never a B200 result.
 
-:func:`current_platform` picks one from :func:`conformance._framework.tiers.b200_emulated`. Every precondition is a skip
-reason naming what was found and what is needed, checked the way FlashInfer 0.7.4 gates itself:
+:func:`current_platform` picks one from :func:`conformance.interfaces.hardware.b200_emulated`. Every precondition
+is a skip reason naming what was found and what is needed, checked the way FlashInfer 0.7.4 gates itself:
 
 * the GPU's compute capability, by FlashInfer's own ``mm_bf16_fp4.is_backend_supported(backend, cc)`` /
   ``CuteDslMoEWrapper.__init__.is_compute_capability_supported(cc)``;
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from conformance._framework.tiers import Gpu, b200_emulated
+from conformance.interfaces.hardware import Gpu, b200_emulated
 
 #: FlashInfer 0.7.4's minimum cuDNN backend version for BF16 x FP4 (used when the installed FlashInfer
 #: does not expose ``gemm_bf16_fp4._CUDNN_BF16_FP4_MIN_BACKEND_VERSION``).
@@ -261,6 +261,6 @@ def cute_dsl_tactics_problem(can_implement: Any, tactics: Any, cutlass: Any, m: 
 
 
 def current_platform() -> FlashInferPlatform:
-    """The emulator under ``--flashinfer-emulated`` (:func:`conformance._framework.tiers.b200_emulated`), else the
+    """The emulator under ``--flashinfer-emulated`` (:func:`conformance.interfaces.hardware.b200_emulated`), else the
     installed FlashInfer."""
     return EmulatedFlashInfer() if b200_emulated() else InstalledFlashInfer()

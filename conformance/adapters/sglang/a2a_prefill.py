@@ -1,4 +1,6 @@
-"""SGLang 0.5.23's FlashInfer-A2A eager-prefill path under the harness (see :mod:`.a2a_prefill`).
+"""SGLang 0.5.23's FlashInfer-A2A eager-prefill path under the harness (see
+:mod:`conformance.engine_harness.a2a_prefill`, which passes the recording emulator tree ``modules`` in and
+reads what reached the kernel from it).
 
 The layer is SGLang's real ``FusedMoE`` with ``ModelOptNvFp4FusedMoEMethod``, built, loaded and post-processed
 by :class:`~conformance.adapters.sglang.layer_code.SGLangLayerCode` exactly as the MoE cases do. Then the
@@ -13,22 +15,19 @@ from __future__ import annotations
 
 import torch
 
-from conformance.engine_harness.a2a_prefill import PrefillObservation, recording_modules
-from conformance.engine_harness.core import MoECheckpoint, Mode
+from conformance.interfaces.layer_code import MoECheckpoint, Mode, PrefillCombine
 from conformance.interfaces.standin import AttrPatch
 
 
 def flashinfer_a2a_prefill(adapter, ckpt: MoECheckpoint, mode: Mode, x: torch.Tensor, topk_ids: torch.Tensor,
-                           topk_weights: torch.Tensor) -> PrefillObservation:
+                           topk_weights: torch.Tensor, *, modules: dict) -> PrefillCombine:
     from sglang.srt.layers.moe.token_dispatcher.standard import StandardDispatchOutput
     from sglang.srt.layers.moe.topk import StandardTopKOutput
     from sglang.srt.layers.moe.utils import MoeA2ABackend
     from sglang.srt.layers.quantization import fp4_utils
     from sglang.srt.runtime_context import get_flags
 
-    calls: list = []
-    runs: list = []
-    with adapter.stand_in(mode, "moe", recording_modules(calls, runs), ckpt) as stand_in:
+    with adapter.stand_in(mode, "moe", modules, ckpt) as stand_in:
         if hasattr(fp4_utils, "_flashinfer_fp4_quantize_impl"):
             stand_in.add_patch(AttrPatch(fp4_utils, "fp4_quantize", fp4_utils._flashinfer_fp4_quantize_impl,
                                          "custom op registered for CUDA only"))
@@ -40,9 +39,6 @@ def flashinfer_a2a_prefill(adapter, ckpt: MoECheckpoint, mode: Mode, x: torch.Te
             routing = StandardTopKOutput(topk_weights, topk_ids, torch.zeros(x.shape[0], ckpt.num_global_experts))
             with torch.no_grad():
                 combined = layer.quant_method.apply(layer, StandardDispatchOutput(x, None, routing))
-    if len(runs) != 1:
-        raise AssertionError(f"the CuTe DSL kernel ran {len(runs)} times in one prefill")
-    kwargs, output = runs[0]
     kind = {"StandardCombineInput": "standard", "FlashinferCombineInput": "flashinfer"}.get(
         type(combined).__name__, type(combined).__name__)
-    return PrefillObservation(kind, getattr(combined, "hidden_states", combined), kwargs, output)
+    return PrefillCombine(kind, getattr(combined, "hidden_states", combined))

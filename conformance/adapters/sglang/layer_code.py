@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from conformance.interfaces.kernel import DenseLayer
-from conformance.engine_harness.core import LayerCodeEngine, MoECheckpoint, Mode
+from conformance.interfaces.layer_code import LayerCodeEngine, MoECheckpoint, Mode
 from conformance.interfaces.standin import AttrPatch, StandIn
 
 W4A16_ENV = "SGLANG_FLASHINFER_CUTEDSL_NVFP4_W4A16"
@@ -35,28 +35,10 @@ class SGLangStandIn(StandIn):
         super().__init__(*args, **kwargs)
         self.publish_fields = publish_fields
         self.world_rank = world_rank
-        self._stack: contextlib.ExitStack | None = None
 
-    def __enter__(self):
-        super().__enter__()
-        stack = contextlib.ExitStack()
-        try:
-            stack.enter_context(_published_context(self.publish_fields, self.world_rank))
-            stack.enter_context(_cpu_fp4_gemm_kernel())
-        except BaseException:
-            stack.close()
-            super().__exit__(None, None, None)
-            raise
-        self._stack = stack
-        return self
-
-    def __exit__(self, *exc):
-        try:
-            if self._stack is not None:
-                self._stack.close()
-        finally:
-            self._stack = None
-            super().__exit__(*exc)
+    def engine_contexts(self):
+        yield _published_context(self.publish_fields, self.world_rank)
+        yield _cpu_fp4_gemm_kernel()
 
 
 @contextlib.contextmanager
@@ -301,11 +283,11 @@ class SGLangLayerCode(LayerCodeEngine):
         return layer(x, StandardTopKOutput(topk_weights, topk_ids, router_logits))
 
     def flashinfer_a2a_prefill(self, ckpt: Any, mode: Any, x: torch.Tensor, topk_ids: torch.Tensor,
-                               topk_weights: torch.Tensor) -> Any:
+                               topk_weights: torch.Tensor, *, modules: dict) -> Any:
         """The FlashInfer-A2A eager-prefill scenario (:mod:`.a2a_prefill`) through SGLang's own MoE runner."""
         from conformance.adapters.sglang.a2a_prefill import flashinfer_a2a_prefill
 
-        return flashinfer_a2a_prefill(self, ckpt, mode, x, topk_ids, topk_weights)
+        return flashinfer_a2a_prefill(self, ckpt, mode, x, topk_ids, topk_weights, modules=modules)
 
     # ----------------------------------------------------------------------------------- shared
     def post_load(self, layer: Any) -> None:

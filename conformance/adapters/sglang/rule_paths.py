@@ -8,7 +8,8 @@ SGLang 0.5.23's own code on CPU.
   ``fp4_utils.fp4_quantize``. What the kernel would receive is read from the recorded ``run`` call.
 - fp4_dispatch: the ``use_dispatch_fp4 = ...`` statement of ``process_weights_after_loading`` (needs a loaded
   GPU layer), executed from the installed source with SGLang's real ``_use_nvfp4_dispatch`` and
-  ``should_use_flashinfer_cutlass_moe_fp4_allgather`` under the case's flags (see _source).
+  ``should_use_flashinfer_cutlass_moe_fp4_allgather`` under the case's flags (see
+  :mod:`conformance.interfaces.upstream_source`).
 - derived_param: ``layers.utils.common.alias_or_bind_derived_param``.
 - quant_method: ``ModelConfig._parse_quant_hf_config`` on the checkpoint config (a temporary model directory
   holds hf_quant_config.json), SGLang's quantization registry for the class, ``ModelOptFp4Config.from_config``.
@@ -29,7 +30,7 @@ from unittest import mock
 import torch
 
 from conformance.interfaces.rules import Inputs
-from conformance.rules import _source
+from conformance.interfaces import upstream_source as _source
 from conformance.adapters.sglang._import import import_sglang_module
 
 _ns = types.SimpleNamespace

@@ -9,7 +9,8 @@ What is called (looked up on the SGLang modules at call time, so a monkeypatched
   record carrying the server-argument fields they read (plus a fixture ModelConfig, as SGLang's own tests do);
 - moe layer: a real ``ModelOptNvFp4FusedMoEMethod`` under the resolved runner/A2A flags; its W4A16 decision
   and its v1-DeepEP W4A16 rejection are statements inside ``process_weights_after_loading``/``apply`` that
-  need a loaded GPU layer, so we execute exactly those statements, taken from the installed source (_source);
+  need a loaded GPU layer, so we execute exactly those statements, taken from the installed source
+  (:mod:`conformance.interfaces.upstream_source`);
 - fusion: qwen3_5's ``_maybe_enable_silu_fp4_quant_fusion`` (called), deepseek_v2's shared-expert fusion
   condition (inline in ``DeepseekV2MoE.__init__``: its ``if`` test is taken from the installed source);
 - lm_head: ``logits_processor.should_apply_lm_head_quant_method`` on a real module and real method objects;
@@ -35,7 +36,7 @@ from typing import Any
 import torch
 
 from conformance.interfaces.rules import Inputs, RulesEngine
-from conformance.rules import _source
+from conformance.interfaces import upstream_source as _source
 from conformance.adapters.sglang._import import SGLangUnavailable, import_sglang_module, sglang_version
 from conformance.adapters.sglang.rule_paths import SGLangPathRules
 

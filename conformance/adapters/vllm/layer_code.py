@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from conformance.engine_harness.core import LayerCodeEngine, MoECheckpoint, Mode
+from conformance.interfaces.layer_code import LayerCodeEngine, MoECheckpoint, Mode
 from conformance.interfaces.standin import AttrPatch, StandIn
 from conformance.interfaces.kernel import DenseLayer
 
@@ -45,35 +45,20 @@ class VLLMStandIn(StandIn):
     def __init__(self, *args, capability: int, **kwargs):
         super().__init__(*args, **kwargs)
         self.capability = capability
-        self._stack: contextlib.ExitStack | None = None
 
     def __enter__(self):
         for name, module in self.modules.items():  # vLLM's has_flashinfer_* probes call importlib's find_spec
             if getattr(module, "__spec__", None) is None:
                 module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
-        super().__enter__()
-        stack = contextlib.ExitStack()
-        try:
-            from conformance.adapters.vllm._import import emulated_platform
-            from vllm.config import VllmConfig, set_current_vllm_config
+        return super().__enter__()
 
-            stack.enter_context(emulated_platform(self.capability))
-            stack.enter_context(set_current_vllm_config(VllmConfig()))
-            stack.enter_context(_cpu_kernel_for_vllm_w4a16_op())
-        except BaseException:
-            stack.close()
-            super().__exit__(None, None, None)
-            raise
-        self._stack = stack
-        return self
+    def engine_contexts(self):
+        from conformance.adapters.vllm._import import emulated_platform
+        from vllm.config import VllmConfig, set_current_vllm_config
 
-    def __exit__(self, *exc):
-        try:
-            if self._stack is not None:
-                self._stack.close()
-        finally:
-            self._stack = None
-            super().__exit__(*exc)
+        yield emulated_platform(self.capability)
+        yield set_current_vllm_config(VllmConfig())
+        yield _cpu_kernel_for_vllm_w4a16_op()
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""vLLM's server as a dialect: its OpenAI API (:class:`conformance.server.openai.OpenAIDialect`) plus its
+"""vLLM's server as a dialect: its OpenAI API (:class:`conformance.interfaces.server_openai.OpenAIDialect`) plus its
 development-mode endpoints (``VLLM_SERVER_DEV_MODE=1``, ``--enable-sleep-mode``): ``/collective_rpc``
 ``reload_weights``, ``/pause``, ``/resume``, ``/sleep``, ``/wake_up``, ``/reset_prefix_cache``."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import requests
 
 from conformance.interfaces.server import MEMORY_TAGS, DialectUnsupported, ReloadResult, SamplingSpec
 from conformance.interfaces.server_types import Deadline, Generation
-from conformance.server.openai import OpenAIDialect
+from conformance.interfaces.server_openai import OpenAIDialect
 
 
 class VLLMDialect(OpenAIDialect):
