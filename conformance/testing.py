@@ -6,13 +6,16 @@ change without notice; docs/ cite these names only.
   carries (docs/snapshots.md);
 * :func:`record_tensors`: save named tensors as the running test's failure artifacts from code that has no
   fixture at hand (docs/reports.md);
+* :class:`Builtin` / :func:`register`: add a built-in implementation (a row of the selection table that
+  ``--backend``, ``--engine`` and ``--server-api`` read), e.g. from a vendor's pytest plugin;
 * :func:`detect_hardware` / :class:`Hardware` / :class:`Gpu`: the GPUs this process sees, as the tier markers
   and ``summary.json`` describe them.
 """
 from __future__ import annotations
 
 from conformance._framework.reporting import record_tensors
+from conformance._framework.selection import Builtin, register
 from conformance._framework.snapshots import Approx
 from conformance._framework.tiers import Gpu, Hardware, detect_hardware
 
-__all__ = ["Approx", "Gpu", "Hardware", "detect_hardware", "record_tensors"]
+__all__ = ["Approx", "Builtin", "Gpu", "Hardware", "detect_hardware", "record_tensors", "register"]

@@ -44,7 +44,7 @@ def _all_checks(backend, case: MoECase) -> None:
     """Every MoE check the conformance tests run, in their order."""
     run = run_moe_case(backend, case)
     figures = check_moe_within_bound(run)
-    check_moe_summary_figures(figures, run)
+    check_moe_summary_figures(run, figures)
     check_moe_deterministic(run, backend)
     if case.ep_size > 1:
         check_moe_ep_sum(run)
@@ -108,7 +108,7 @@ def test_summary_figures_check_can_fail() -> None:
     run = run_moe_case(KernelLayoutMoE(), CPU_CASES["t1_e8_k1_h128_i64"])
     bad = ErrorFigures(0.5, (0, 0), 1.0, 1.0, 1.0, rel_l2=0.05, cosine=0.99)
     with pytest.raises(AssertionError, match=r"^\[moe_summary_figures\]"):
-        check_moe_summary_figures(bad, run)
+        check_moe_summary_figures(run, bad)
 
 
 def test_failure_report_names_inputs_and_worst_element() -> None:
@@ -139,7 +139,7 @@ def test_at_real_sizes_summary_figures_reject_what_the_loose_bound_lets_through(
     except AssertionError:
         return  # caught by the bound after all: fine
     with pytest.raises(AssertionError, match=r"^\[moe_summary_figures\]"):
-        check_moe_summary_figures(figures, run)
+        check_moe_summary_figures(run, figures)
 
 
 # ------------------------------------------------------------------------------------------ diagnosis

@@ -1,7 +1,7 @@
-"""Adding an engine takes one folder and one row of the selection table (``conformance.adapters.BUILTINS``),
+"""Adding an engine takes one folder and one row of the selection table (``conformance._framework.selection.BUILTINS``),
 and nothing else: this test writes a stand-in engine as a folder outside the repository (its configuration rules
 and its layer code, each a plain subclass of a built-in), adds its row from a pytest plugin with
-``conformance.adapters.register``, and runs the rule and engine-harness tests with ``--engine standin``. Both interfaces
+``conformance.testing.register``, and runs the rule and engine-harness tests with ``--engine standin``. Both interfaces
 must run (rule cases pass and report the stand-in as the engine; harness cases pass through the stand-in's
 adapter), and naming an interface the row does not have must skip with the reason."""
 from __future__ import annotations
@@ -40,7 +40,7 @@ FOLDER = {
         ''',
     # the one table row
     "plugin.py": '''
-        from conformance.adapters import Builtin, register
+        from conformance.testing import Builtin, register
 
         register(Builtin("standin", {"rules": "standin.rules:StandInRules",
                                      "layer_code": "standin.layer_code:StandInLayerCode"}))
@@ -84,7 +84,7 @@ def test_an_interface_the_row_lacks_skips_with_the_reason(engine_folder) -> None
     (engine_folder / "rules_only").mkdir(exist_ok=True)
     (engine_folder / "rules_only" / "__init__.py").write_text("")
     (engine_folder / "rules_only" / "plugin.py").write_text(
-        "from conformance.adapters import Builtin, register\n"
+        "from conformance.testing import Builtin, register\n"
         "register(Builtin('standin', {'rules': 'conformance.adapters.reference.rules:ReferenceRules'}))\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(engine_folder), str(REPO)])}
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "rules_only.plugin", "-q", "-rs",

@@ -51,7 +51,7 @@ BUILTINS: dict[str, Builtin] = {b.name: b for b in (
     Builtin("sglang", {"rules": _adapter("sglang", "rules", "load"),
                        "layer_code": _adapter("sglang", "layer_code", "SGLangLayerCode"),
                        "server": _adapter("sglang", "server", "SGLangDialect")}),
-    Builtin("openai", {"server": "conformance.server.openai:OpenAIDialect"}),
+    Builtin("openai", {"server": "conformance.interfaces.server_openai:OpenAIDialect"}),
     Builtin("vllm", {"rules": _adapter("vllm", "rules", "load"),
                      "layer_code": _adapter("vllm", "layer_code", "VLLMLayerCode"),
                      "server": _adapter("vllm", "server", "VLLMDialect")}, rules_profile="vllm-0.32"),

@@ -10,7 +10,8 @@ plus one row (or :func:`conformance.testing.register` from a pytest plugin, for 
 * :mod:`.vllm`: vLLM 0.32's rules, layer code and server API (``--engine vllm``, ``--server-api vllm``).
 
 Importing an adapter module never imports its engine: an engine that is not installed is a skip reason.
-``openai`` (a standard API, not a vendor) lives in ``conformance/server/openai.py``. Adapters import only :mod:`conformance.interfaces` and :mod:`reference_impl` (import-linter contracts in
+``openai`` (a standard API, not a vendor) is a built-in of the server interface itself
+(``conformance/interfaces/server_openai.py``). Adapters import only :mod:`conformance.interfaces` and :mod:`reference_impl` (import-linter contracts in
 pyproject.toml); the names below are re-exported from the framework for code written against 0.2.
 """
 from __future__ import annotations

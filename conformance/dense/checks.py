@@ -1,7 +1,9 @@
 """The dense W4A16 checks: plain functions that raise ``AssertionError`` with a readable report.
 
-The conformance tests (``conformance/dense/test_dense.py``) call them on the backend under test; the self-tests
-(``tests/test_dense_mutants.py``) call them on deliberately broken backends to prove each can fail.
+Each is registered once (``@check("dense", ...)``, :mod:`conformance._framework.checks`): the conformance tests
+(``conformance/dense/test_dense.py``) run the checks registered for them on the backend under test; the
+self-tests (``tests/test_dense_mutants.py``) run them all on deliberately broken backends to prove each can fail,
+each mutant naming the check that must catch it.
 
 Non-finite policy (stated once, checked by :func:`check_nonfinite_policy`): activations are not quantized
 under W4A16, so NaN/Inf propagate as in IEEE arithmetic. Every output whose exact value (fp64 evaluation
@@ -21,6 +23,8 @@ from reference_impl.dense import dense_alpha, w4a16_linear_exact
 from reference_impl.nvfp4 import E2M1_MAGNITUDES
 
 from conformance.interfaces.kernel import Backend, DenseLayer
+from conformance._framework.checks import check, register_area, view
+from conformance._framework.checks import failing_checks as _failing
 from reference_impl.bounds.dense import (
     FLASHINFER_MAX_REL_L2,
     FLASHINFER_MIN_COSINE,
@@ -41,6 +45,7 @@ from conformance.dense.single_rounding import (
 from conformance.dense.cases import DenseCase, build_activations, build_layer
 
 DETERMINISM_REPEATS = 3
+register_area("dense", "test_dense_matches_reference")
 
 
 @dataclass(frozen=True)
@@ -130,6 +135,7 @@ def pre_rounding_allowance(run: DenseRun) -> torch.Tensor:
     return bound - U_BF16 * exact.abs()
 
 
+@check("dense", test="test_dense_output_dtype_and_shape")
 def check_output_dtype_and_shape(run: DenseRun) -> None:
     """The output is a bfloat16 tensor of shape ``[*x.shape[:-1], N]`` on the input's device."""
     y, x, n = run.y, run.x, run.case.n
@@ -141,6 +147,7 @@ def check_output_dtype_and_shape(run: DenseRun) -> None:
     )
 
 
+@check("dense")
 def check_within_error_bound(run: DenseRun, record: Callable[[ErrorFigures], None] | None = None) -> ErrorFigures:
     """Every element whose exact value is finite is within the derived bound (``bound_ratio <= 1``).
     Returns the figures (bound ratio, relative L2, cosine) for the report; ``record`` receives them before
@@ -159,16 +166,19 @@ def check_within_error_bound(run: DenseRun, record: Callable[[ErrorFigures], Non
     return fig
 
 
-def check_summary_figures(fig: ErrorFigures, run: DenseRun) -> None:
+@check("dense")
+def check_summary_figures(run: DenseRun, fig: ErrorFigures | None = None) -> None:
     """The acceptance of FlashInfer's dense W4A16 GEMM test (``tests/gemm/test_mm_bf16_fp4.py``,
     ``_assert_close_to_reference``: relative L2 < 2e-2, cosine > 0.999), looser than the bound: kept so a
-    report can say the backend also meets the upstream thresholds."""
+    report can say the backend also meets the upstream thresholds (``fig``: the run's figures, if at hand)."""
+    fig = fig or check_within_error_bound_figures(run)
     assert fig.rel_l2 < FLASHINFER_MAX_REL_L2 and fig.cosine > FLASHINFER_MIN_COSINE, (
         f"relative L2 {fig.rel_l2:.4g} (limit {FLASHINFER_MAX_REL_L2}) / cosine {fig.cosine:.6f} "
         f"(limit {FLASHINFER_MIN_COSINE})\n  {describe_inputs(run)}"
     )
 
 
+@check("dense", test="test_dense_nonfinite_policy", applies_to=lambda case: case.x_kind == "nonfinite")
 def check_nonfinite_policy(run: DenseRun) -> None:
     """Outputs whose exact value is non-finite are non-finite (see the module docstring)."""
     check_output_dtype_and_shape(run)
@@ -185,6 +195,7 @@ def check_nonfinite_policy(run: DenseRun) -> None:
         )
 
 
+@check("dense", test="test_dense_deterministic")
 def check_deterministic(run: DenseRun, backend: Backend, repeats: int = DETERMINISM_REPEATS) -> None:
     """``run_dense`` on the same prepared layer and the same input gives bitwise identical outputs."""
     first = run.y
@@ -227,6 +238,7 @@ def single_rounding_figures(run: DenseRun) -> RoundingFigures:
     return cached
 
 
+@check("dense", test="test_dense_single_rounding", applies_to=lambda case: "check_correctly_rounded" in case.strict_checks)
 def check_correctly_rounded(run: DenseRun) -> RoundingFigures:
     """[strict] Every *decidable* element (every value within the pre-rounding allowance of ``y*`` rounds to the
     same bf16 number) equals ``RN_bf16(y*)``. No false failures for a single-rounding implementation: it is the
@@ -251,6 +263,7 @@ def check_correctly_rounded(run: DenseRun) -> RoundingFigures:
     return fig
 
 
+@check("dense", test="test_dense_single_rounding", applies_to=lambda case: "check_rounding_direction" in case.strict_checks)
 def check_rounding_direction(run: DenseRun) -> RoundingFigures:
     """[strict] Among outputs whose allowance is <= 1/8 ulp, the share rounded toward zero stays below
     ``5/8 + t`` (round-to-nearest: ~1/2; truncation: ~1). False-failure probability <= 1e-9 per evaluation
@@ -268,6 +281,7 @@ def check_rounding_direction(run: DenseRun) -> RoundingFigures:
     return fig
 
 
+@check("dense", test="test_dense_single_rounding", applies_to=lambda case: "check_ulp_error_spread" in case.strict_checks)
 def check_ulp_error_spread(run: DenseRun) -> RoundingFigures:
     """[strict] The mean squared error in bf16 ulps over the same elements stays below its single-rounding
     expectation (1/12 plus the allowance terms) plus a Hoeffding margin for a false-failure probability
@@ -284,25 +298,6 @@ def check_ulp_error_spread(run: DenseRun) -> RoundingFigures:
     return fig
 
 
-def _strict(name: str, check: Callable[[DenseRun], Any]) -> Callable[[DenseRun, Backend], Any]:
-    return lambda run, backend: check(run) if name in run.case.strict_checks else None
-
-
-#: Named checks, each ``(DenseRun, Backend) -> None``; the mutant self-tests report which ones fire.
-NAMED_CHECKS: dict[str, Callable[[DenseRun, Backend], Any]] = {
-    "check_output_dtype_and_shape": lambda run, backend: check_output_dtype_and_shape(run),
-    "check_within_error_bound": lambda run, backend: check_within_error_bound(run),
-    "check_summary_figures": lambda run, backend: check_summary_figures(check_within_error_bound_figures(run), run),
-    "check_nonfinite_policy": lambda run, backend: (
-        check_nonfinite_policy(run) if run.case.x_kind == "nonfinite" else None
-    ),
-    "check_deterministic": lambda run, backend: check_deterministic(run, backend),
-    "check_correctly_rounded": _strict("check_correctly_rounded", check_correctly_rounded),
-    "check_rounding_direction": _strict("check_rounding_direction", check_rounding_direction),
-    "check_ulp_error_spread": _strict("check_ulp_error_spread", check_ulp_error_spread),
-}
-
-
 def check_within_error_bound_figures(run: DenseRun) -> ErrorFigures:
     """The figures of :func:`check_within_error_bound` without asserting the bound (for the summary check)."""
     check_output_dtype_and_shape(run)
@@ -317,13 +312,8 @@ def failing_checks(backend: Backend, case: DenseCase) -> dict[str, str]:
 
 def failing_checks_of_run(run: DenseRun, backend: Backend) -> dict[str, str]:
     """:func:`failing_checks` on a run already made (its figures stay available to the caller)."""
-    failures = {}
-    for name, check in NAMED_CHECKS.items():
-        try:
-            check(run, backend)
-        except AssertionError as exc:
-            failures[name] = str(exc).splitlines()[0]
-    return failures
+    return _failing("dense", run, backend)
 
 
-
+#: ``{name: registered check}`` of the dense area, each callable as ``check(run, backend)`` (kept for 0.2 code)
+NAMED_CHECKS = view("dense")

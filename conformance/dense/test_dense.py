@@ -1,21 +1,14 @@
 """Dense W4A16 conformance: the backend under test (``--backend``) against the exact value and its derived
-bound. Cases are data (:mod:`conformance.dense.cases`); checks live in :mod:`conformance.dense.checks`."""
+bound. Cases are data (:mod:`conformance.dense.cases`); each test runs the checks registered for it
+(``@check("dense", test=...)`` in :mod:`conformance.dense.checks`), each on the cases it applies to."""
 from __future__ import annotations
 
 import pytest
 
 from conformance.interfaces.kernel import Backend
 from conformance._framework.cases import as_params, case_for_backend
-from conformance.dense.checks import (
-    NAMED_CHECKS,
-    check_deterministic,
-    check_nonfinite_policy,
-    check_output_dtype_and_shape,
-    check_summary_figures,
-    check_within_error_bound,
-    run_dense_case,
-    single_rounding_figures,
-)
+from conformance._framework.checks import checks_for
+from conformance.dense.checks import check_output_dtype_and_shape, run_dense_case, single_rounding_figures
 from conformance.dense.diagnosis import diagnosed
 from conformance.dense.cases import DENSE_CASES, NONFINITE_CASES, SINGLE_ROUNDING_CASES, DenseCase
 
@@ -28,12 +21,13 @@ def _run(backend: Backend, case: DenseCase):
     return run_dense_case(backend, case)
 
 
-@pytest.mark.parametrize("case", as_params(DENSE_CASES))
-def test_dense_matches_reference(backend: Backend, case: DenseCase, record_property) -> None:
+def _judge(test: str, backend: Backend, case: DenseCase, record_property) -> None:
+    """Run the checks registered for ``test`` that apply to ``case``; figures go to the report first."""
     run = _run(backend, case)
     with diagnosed(run, backend, record_property):
-        figures = check_within_error_bound(run, record=lambda fig: _record(record_property, fig))
-        check_summary_figures(figures, run)
+        for check in checks_for("dense", test):
+            if check.applies(run.case):
+                check(run, backend, record=lambda fig: _record(record_property, fig))
 
 
 def _record(record_property, figures) -> None:
@@ -42,24 +36,23 @@ def _record(record_property, figures) -> None:
 
 
 @pytest.mark.parametrize("case", as_params(DENSE_CASES))
+def test_dense_matches_reference(backend: Backend, case: DenseCase, record_property) -> None:
+    _judge("test_dense_matches_reference", backend, case, record_property)
+
+
+@pytest.mark.parametrize("case", as_params(DENSE_CASES))
 def test_dense_output_dtype_and_shape(backend: Backend, case: DenseCase, record_property) -> None:
-    run = _run(backend, case)
-    with diagnosed(run, backend, record_property):
-        check_output_dtype_and_shape(run)
+    _judge("test_dense_output_dtype_and_shape", backend, case, record_property)
 
 
 @pytest.mark.parametrize("case", as_params(DENSE_CASES))
 def test_dense_deterministic(backend: Backend, case: DenseCase, record_property) -> None:
-    run = _run(backend, case)
-    with diagnosed(run, backend, record_property):
-        check_deterministic(run, backend)
+    _judge("test_dense_deterministic", backend, case, record_property)
 
 
 @pytest.mark.parametrize("case", as_params(NONFINITE_CASES))
 def test_dense_nonfinite_policy(backend: Backend, case: DenseCase, record_property) -> None:
-    run = _run(backend, case)
-    with diagnosed(run, backend, record_property):
-        check_nonfinite_policy(run)
+    _judge("test_dense_nonfinite_policy", backend, case, record_property)
 
 
 @pytest.mark.parametrize("case", as_params(SINGLE_ROUNDING_CASES))
@@ -72,5 +65,6 @@ def test_dense_single_rounding(backend: Backend, case: DenseCase, record_propert
     for name, value in single_rounding_figures(run).properties().items():
         record_property(name, value)
     with diagnosed(run, backend, record_property):
-        for name in case.strict_checks:
-            NAMED_CHECKS[name](run, backend)
+        for check in checks_for("dense", "test_dense_single_rounding"):
+            if check.applies(run.case):
+                check(run, backend)

@@ -11,6 +11,11 @@ computed straight from the checkpoint tensors (never from the engine's prepared 
 """
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
 from reference_impl.dense import w4a16_linear_exact
@@ -18,7 +23,25 @@ from reference_impl.nvfp4 import BLOCK_SIZE, e2m1_decode, e4m3_decode, quantize_
 
 from conformance.interfaces.kernel import DenseLayer
 from reference_impl.bounds.dense import dense_error_bound, error_figures
+from conformance._framework.checks import check, register_area
+from conformance._framework.checks import failing_checks as _failing
 from conformance.engine_harness.core import EngineRun, MoECheckpoint
+
+register_area("engine", "test_dense_integration")  # every engine check runs in each integration test
+
+
+@dataclass(frozen=True)
+class EngineCaseRun:
+    """One engine case judged: the case, the scenario's run (:class:`EngineRun`) and its checkpoint reference
+    ``(exact, bound)``, built only when a check asks for it."""
+
+    case: Any
+    engine: EngineRun
+    reference: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+
+    @functools.cached_property
+    def exact_and_bound(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.reference()
 
 
 def w4a4_quantized_activations(x: torch.Tensor, ckpt: DenseLayer) -> torch.Tensor:
@@ -51,8 +74,26 @@ def moe_reference(ckpt: MoECheckpoint, x, topk_ids, topk_weights) -> tuple[torch
     return b.exact, b.bound
 
 
-def check_output_within_bound(run: EngineRun, exact: torch.Tensor, bound: torch.Tensor, label: str) -> None:
+@check("engine", "output_within_bound")
+def output_within_bound(run: EngineCaseRun) -> None:
     """The engine's output (first forward) matches the checkpoint reference within the derived bound."""
+    check_output_within_bound(run.engine, *run.exact_and_bound, run.case.id)
+
+
+@check("engine", "reload_keeps_identity")
+def reload_keeps_identity(run: EngineCaseRun) -> None:
+    """After a same-shape reload every graph-captured tensor is the same object at the same address."""
+    check_reload_keeps_identity(run.engine, run.case.id)
+
+
+@check("engine", "reload_reproduces_output")
+def reload_reproduces_output(run: EngineCaseRun) -> None:
+    """Reloading the same checkpoint gives bitwise the same output."""
+    check_reload_reproduces_output(run.engine, run.case.id)
+
+
+def check_output_within_bound(run: EngineRun, exact: torch.Tensor, bound: torch.Tensor, label: str) -> None:
+    """:func:`output_within_bound` on an :class:`EngineRun` and its reference (also the A2A prefill's check)."""
     y = run.y
     assert isinstance(y, torch.Tensor) and tuple(y.shape) == tuple(exact.shape), (
         f"{label}: engine output {getattr(y, 'shape', y)} does not have the reference shape {tuple(exact.shape)}"
@@ -89,6 +130,7 @@ def check_reload_reproduces_output(run: EngineRun, label: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------- verdicts
+#: ``scenario_completes`` (the engine or the emulator raised) and the registered checks, by name
 CHECKS = ("scenario_completes", "output_within_bound", "reload_keeps_identity", "reload_reproduces_output")
 
 
@@ -122,15 +164,4 @@ def failing_checks(adapter, case, platform=None) -> dict[str, str]:
         run = run_scenario(adapter, kind, case.mode, ckpt, args, **where)
     except Exception as exc:  # noqa: BLE001 - any engine/emulator error fails the scenario, with its text
         return {"scenario_completes": f"{type(exc).__name__}: {exc}"}
-    failures: dict[str, str] = {}
-    exact, bound = reference()
-    for name, check in (
-        ("output_within_bound", lambda: check_output_within_bound(run, exact, bound, case.id)),
-        ("reload_keeps_identity", lambda: check_reload_keeps_identity(run, case.id)),
-        ("reload_reproduces_output", lambda: check_reload_reproduces_output(run, case.id)),
-    ):
-        try:
-            check()
-        except AssertionError as exc:
-            failures[name] = str(exc)
-    return failures
+    return _failing("engine", EngineCaseRun(case, run, reference), adapter)

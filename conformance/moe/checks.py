@@ -17,11 +17,14 @@ import torch
 from reference_impl.moe import fused_moe_exact
 
 from conformance.interfaces.kernel import Backend, MoEExperts
+from conformance._framework.checks import check, register_area
+from conformance._framework.checks import failing_checks as _failing
 from reference_impl.bounds.dense import FLASHINFER_MAX_REL_L2, FLASHINFER_MIN_COSINE
 from reference_impl.bounds.moe import ErrorFigures, MoEBound, error_figures, moe_error_bound
 from conformance.moe.cases import MoECase, build_global_experts, build_inputs, rank_slice
 
 DETERMINISM_REPEATS = 3
+register_area("moe", "test_moe_matches_reference")
 #: Multiplier applied to checkpoint input scales by :func:`check_moe_input_scales_ignored`.
 INPUT_SCALE_PERTURBATION = 7.25
 
@@ -92,6 +95,7 @@ def _worst_report(fig: ErrorFigures) -> str:
     )
 
 
+@check("moe", "moe_output_contract")
 def check_moe_output_contract(run: MoERun) -> None:
     """Each rank returns a bfloat16 ``[T, H]`` tensor on the input's device."""
     t, h = run.x.shape
@@ -106,6 +110,7 @@ def check_moe_output_contract(run: MoERun) -> None:
             )
 
 
+@check("moe", "moe_within_bound")
 def check_moe_within_bound(run: MoERun, record: Callable[[ErrorFigures], None] | None = None) -> ErrorFigures:
     """Every rank's output within the derived per-element bound of its exact value
     (:func:`reference_impl.bounds.moe.moe_error_bound`). Returns the figures of the worst rank; ``record``
@@ -123,18 +128,22 @@ def check_moe_within_bound(run: MoERun, record: Callable[[ErrorFigures], None] |
     return worst
 
 
-def check_moe_summary_figures(fig: ErrorFigures, run: MoERun) -> None:
+@check("moe", "moe_summary_figures")
+def check_moe_summary_figures(run: MoERun, fig: ErrorFigures | None = None) -> None:
     """Relative L2 < 2e-2 and cosine > 0.999: the acceptance of FlashInfer's *dense* W4A16 GEMM test
     (``tests/gemm/test_mm_bf16_fp4.py``, ``_assert_close_to_reference``), applied here to the MoE output as a
     summary threshold; FlashInfer's own MoE tests use a different, much looser criterion (``check_accuracy`` in
     ``tests/moe/utils.py``: >= 97 % of elements within ``max(0.05, 1.5 std)`` absolute or 50 % relative of a
     reference on the *unquantized* weights; see docs/moe.md). Looser than the bound at small sizes, it carries
-    the rejection of structural bugs at real sizes, where the worst-case bound exceeds ``|y|``."""
+    the rejection of structural bugs at real sizes, where the worst-case bound exceeds ``|y|``. ``fig``: the
+    figures of :func:`check_moe_within_bound`, if at hand."""
+    fig = fig or check_moe_within_bound(run)
     if not (fig.rel_l2 < FLASHINFER_MAX_REL_L2 and fig.cosine > FLASHINFER_MIN_COSINE):
         raise _fail("moe_summary_figures", f"rel_l2 {fig.rel_l2:.3e} (< {FLASHINFER_MAX_REL_L2}), cosine "
                     f"{fig.cosine:.6f} (> {FLASHINFER_MIN_COSINE})", run)
 
 
+@check("moe", "moe_ep_sum", test="test_moe_expert_parallel_sum", applies_to=lambda case: case.ep_size > 1)
 def check_moe_ep_sum(run: MoERun) -> ErrorFigures:
     """Expert parallel: the sum over ranks (in fp64) equals the full layer's exact output within the sum of
     the ranks' bounds, so no expert is counted twice or missed and other ranks' tokens add nothing."""
@@ -152,6 +161,7 @@ def check_moe_ep_sum(run: MoERun) -> ErrorFigures:
 REUSE_ROLL = 1
 
 
+@check("moe", "moe_prepared_reuse", test="test_moe_prepared_reuse", own_run=True)
 def check_moe_prepared_reuse(run: MoERun, backend: Backend) -> ErrorFigures:
     """A prepared layer serves many batches: ``run_moe`` on the same prepared experts with a second batch -- the
     case's tokens rolled by :data:`REUSE_ROLL` rows, ids and weights with them -- is within the bound of the rolled
@@ -177,6 +187,7 @@ def check_moe_prepared_reuse(run: MoERun, backend: Backend) -> ErrorFigures:
     return worst
 
 
+@check("moe", "moe_deterministic")
 def check_moe_deterministic(run: MoERun, backend: Backend) -> None:
     """``run_moe`` on the same prepared experts and inputs is bitwise reproducible."""
     for r, (p, first) in enumerate(zip(run.prepared, run.outputs)):
@@ -188,6 +199,7 @@ def check_moe_deterministic(run: MoERun, backend: Backend) -> None:
                             f"differ (max {diff.max().item():.4g})", run, r)
 
 
+@check("moe", "moe_input_scales_ignored", test="test_moe_input_scales_ignored")
 def check_moe_input_scales_ignored(run: MoERun, backend: Backend) -> None:
     """Under W4A16 checkpoint input scales are neutral: scaling them (or removing them) leaves the output
     bitwise unchanged. Catches alphas that fold ``input_scale`` in (the W4A4 convention)."""
@@ -216,24 +228,4 @@ def failing_moe_checks(backend: Backend, case: MoECase) -> dict[str, str]:
 
 def failing_moe_checks_of_run(run: MoERun, backend: Backend) -> dict[str, str]:
     """:func:`failing_moe_checks` on a run already made (the prepared-reuse check makes its own)."""
-    checks: list[Callable[[MoERun], Any]] = [
-        lambda r: check_moe_summary_figures(check_moe_within_bound(r), r),
-        lambda r: check_moe_deterministic(r, backend),
-        lambda r: check_moe_ep_sum(r) if run.case.ep_size > 1 else None,
-        lambda r: check_moe_input_scales_ignored(r, backend),
-    ]
-    failures = {}
-    for check in checks:
-        try:
-            check(run)
-        except AssertionError as exc:
-            failures.setdefault(_check_tag(str(exc)), str(exc).splitlines()[0])
-    try:
-        check_moe_prepared_reuse(run_moe_case(backend, run.case, run.x.device), backend)
-    except AssertionError as exc:
-        failures.setdefault(_check_tag(str(exc)), str(exc).splitlines()[0])
-    return failures
-
-
-def _check_tag(message: str) -> str:
-    return message[1:message.index("]")] if message.startswith("[") and "]" in message else "unnamed"
+    return _failing("moe", run, backend, fresh_run=lambda: run_moe_case(backend, run.case, run.x.device))

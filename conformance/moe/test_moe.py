@@ -1,21 +1,14 @@
 """W4A16 fused-MoE conformance: the backend under test (``--backend``) against the exact value and its
-derived bound, on every expert-parallel rank. Cases are data (:mod:`conformance.moe.cases`); checks live
-in :mod:`conformance.moe.checks`."""
+derived bound, on every expert-parallel rank. Cases are data (:mod:`conformance.moe.cases`); each test runs the
+checks registered for it (``@check("moe", ..., test=...)`` in :mod:`conformance.moe.checks`)."""
 from __future__ import annotations
 
 import pytest
 
 from conformance.interfaces.kernel import Backend
 from conformance._framework.cases import as_params, case_for_backend
-from conformance.moe.checks import (
-    check_moe_deterministic,
-    check_moe_ep_sum,
-    check_moe_input_scales_ignored,
-    check_moe_prepared_reuse,
-    check_moe_summary_figures,
-    check_moe_within_bound,
-    run_moe_case,
-)
+from conformance._framework.checks import checks_for
+from conformance.moe.checks import check_moe_prepared_reuse, run_moe_case
 from conformance.moe.diagnosis import diagnosed
 from conformance.moe.cases import MOE_CASES, MoECase
 
@@ -43,9 +36,9 @@ def _run(backend: Backend, case: MoECase):
 def test_moe_matches_reference(backend: Backend, case: MoECase, record_property) -> None:
     run = _run(backend, case)
     with diagnosed(run, backend, record_property):
-        figures = check_moe_within_bound(run, record=lambda fig: _record(record_property, fig))
-        check_moe_summary_figures(figures, run)
-        check_moe_deterministic(run, backend)
+        for check in checks_for("moe", "test_moe_matches_reference"):
+            if check.applies(run.case):
+                check(run, backend, record=lambda fig: _record(record_property, fig))
 
 
 @pytest.mark.parametrize("case", as_params(MOE_CASES))
@@ -61,14 +54,16 @@ def test_moe_prepared_reuse(backend: Backend, case: MoECase, record_property) ->
 def test_moe_expert_parallel_sum(backend: Backend, case: MoECase, record_property) -> None:
     run = _run(backend, case)
     with diagnosed(run, backend, record_property):
-        check_moe_ep_sum(run)
+        for check in checks_for("moe", "test_moe_expert_parallel_sum"):
+            check(run, backend)
 
 
 @pytest.mark.parametrize("case", as_params(SCALE_CASES))
 def test_moe_input_scales_ignored(backend: Backend, case: MoECase, record_property) -> None:
     run = _run(backend, case)
     with diagnosed(run, backend, record_property):
-        check_moe_input_scales_ignored(run, backend)
+        for check in checks_for("moe", "test_moe_input_scales_ignored"):
+            check(run, backend)
 
 
 def _record(record_property, figures) -> None:
