@@ -9,8 +9,9 @@ A snapshot is a named set of entries (see docs/snapshots.md):
   Changing the tolerance in the test is itself a mismatch until the snapshot is regenerated;
 * strings and ints (a seed, a recipe name, a hash of the inputs): compared exactly.
 
-``pytest --snapshot-update`` rewrites the files; otherwise any difference fails the test. The directory can be moved
-with the environment variable ``NVFP4_SNAPSHOT_DIR`` (used by the self-tests to work in a temporary folder).
+``pytest --snapshot-update`` rewrites the files; otherwise any difference fails the test. The directory is the
+shipped data's (:mod:`conformance._framework.data`: a clone's fixtures/snapshots/ or the installed package's); the
+environment variable ``NVFP4_SNAPSHOT_DIR`` moves it (used by the self-tests to work in a temporary folder).
 """
 from __future__ import annotations
 
@@ -27,9 +28,11 @@ from typing import Any
 import torch
 from syrupy.extensions.single_file import SingleFileSnapshotExtension, WriteMode
 
+from conformance._framework.data import data_path
+
 SNAPSHOT_FORMAT = "nvfp4-conformance-tensors/1"
 SNAPSHOT_DIR_ENV = "NVFP4_SNAPSHOT_DIR"
-DEFAULT_SNAPSHOT_ROOT = Path(__file__).resolve().parents[2] / "fixtures" / "snapshots"
+DEFAULT_SNAPSHOT_ROOT = data_path("snapshots")
 _BYTES_PER_LINE = 32
 _PREVIEW_VALUES = 8
 
@@ -65,10 +68,10 @@ def snapshot_root() -> Path:
 def missing_golden_message(path: Path) -> str:
     """What a user who lacks a golden file is told: where the data comes from, never to make it themselves
     (golden truth regenerated from the implementation under test would pass anything)."""
-    return (f"golden data {path} is missing from this install: it ships in the repository's fixtures/snapshots/ "
-            f"(a pip-installed package does not hold it yet); run the suite from a clone of the repository, or set "
-            f"{SNAPSHOT_DIR_ENV} to a copy of its fixtures/snapshots/ directory. Do not generate it yourself: golden "
-            f"data made from the implementation under test would pass anything")
+    return (f"golden data {path} is missing from this install: it ships with the suite (fixtures/snapshots/, in a "
+            f"clone and in the installed package alike); reinstall the suite (`pip install .`) or restore the "
+            f"clone's fixtures/snapshots/, or set {SNAPSHOT_DIR_ENV} to a copy of that directory. Do not generate it "
+            f"yourself: golden data made from the implementation under test would pass anything")
 
 
 # ----------------------------------------------------------------------------------------- serialization

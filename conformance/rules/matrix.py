@@ -10,14 +10,14 @@ import functools
 import json
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from conformance._framework.data import data_path
 from conformance.interfaces.rules import RulesEngine
 
-FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "config_rules"
+FIXTURES = data_path("config_rules")
 PROFILES_DIR = FIXTURES / "profiles"
 DEFAULT_PROFILE = "sglang-0.5.23"
 MATRICES = ("dense", "fp4_gemm", "fp4_backend", "moe", "a2a", "fusion", "moe_activation", "fp4_dispatch",

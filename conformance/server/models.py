@@ -2,8 +2,10 @@
 
 * Fixture families (``--server-models``, e.g. ``dense-nvfp4_awq``): ``<root>/<family>-a`` (served at start),
   ``-b`` (different weights) and ``-corrupt`` (``b`` minus one tensor of its last layer), built by
-  fixtures/make_checkpoints.py into the repository's ``fixtures/checkpoints/`` (git-ignored). A directory
-  given with ``--server-checkpoints`` is only read: it must hold an up-to-date build.
+  fixtures/make_checkpoints.py on first use into its default directory: a clone's ``fixtures/checkpoints/``
+  (git-ignored), or for a pip-installed suite the user's cache (``$XDG_CACHE_HOME`` or ``~/.cache``,
+  ``nvfp4-w4a16-conformance/checkpoints``). A directory given with ``--server-checkpoints`` is only read: it must
+  hold an up-to-date build.
 * A user's checkpoint (``--server-checkpoint PATH``, repeatable): ``a`` is the user's directory, read only;
   ``b`` and ``corrupt`` are derived (conformance/server/derive.py) into the session's work directory,
   which the suite creates and removes; golden outputs are computed by the reference model, once per session.
@@ -23,6 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from conformance._framework.data import checkpoint_builder
 from conformance.server.derive import derive_corrupt, derive_different_weights
 from conformance.server.golden import MAX_NEW_TOKENS, PROMPTS, GoldenTruth, label_of, load_fixture_golden
 
@@ -108,27 +111,25 @@ def tokenizer_size(tokenizer_json: str) -> int:
 
 # ----------------------------------------------------------------------------------------- fixtures
 def ensure_fixture_root(root: str | None) -> Path:
-    """The fixture directory: the repository's default (built on first use), or a directory the user
+    """The fixture directory: the builder's default (built on first use), or a directory the user
     built (read only: never written; an error if it is not an up-to-date build)."""
-    from fixtures.make_checkpoints import DEFAULT_OUT, ensure_checkpoints, is_up_to_date
-
-    if not root or Path(root).resolve() == DEFAULT_OUT.resolve():
-        return ensure_checkpoints(DEFAULT_OUT)
-    if not is_up_to_date(Path(root)):
+    builder = checkpoint_builder()
+    if not root or Path(root).resolve() == builder.DEFAULT_OUT.resolve():
+        return builder.ensure_checkpoints(builder.DEFAULT_OUT)
+    if not builder.is_up_to_date(Path(root)):
         raise ModelError(f"--server-checkpoints {root!r} does not hold an up-to-date fixture build (the suite never "
-                         f"writes there): build it with `python fixtures/make_checkpoints.py --out {root}`")
+                         f"writes there): build it with `python -m fixtures.make_checkpoints --out {root}`")
     return Path(root)
 
 
 def fixture_model(family: str, root: Path) -> ServedModel:
-    from fixtures.make_checkpoints import corrupt_tensor_name, hf_config
-
+    builder = checkpoint_builder()
     arch = family.split("-", 1)[0]
     if arch not in ("dense", "moe") or not (root / f"{family}-a").is_dir():
         raise ModelError(f"unknown fixture family {family!r} (in {root}: "
                          f"{sorted(p.name[:-2] for p in root.glob('*-a'))})")
     a, b, corrupt = (str((root / f"{family}-{s}").resolve()) for s in ("a", "b", "corrupt"))
-    return ServedModel(family, a, b, corrupt, corrupt_tensor_name(arch, hf_config(arch)),
+    return ServedModel(family, a, b, corrupt, builder.corrupt_tensor_name(arch, builder.hf_config(arch)),
                        str(Path(a) / "tokenizer.json"))
 
 
