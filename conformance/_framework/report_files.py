@@ -1,10 +1,10 @@
 """``--report-dir DIR``: JUnit XML, a JSON summary and a Markdown conformance table from one run, plus
 failure artifacts (safetensors) and a one-line repro command per failure. Works under pytest-xdist: the
 per-test reports reach the controller through ``pytest_runtest_logreport`` (user properties travel with
-them), and only the controller writes the reports. See docs/reports.md."""
+them), and only the controller writes the reports. The backend calls a failing test's artifacts keep are
+captured by :mod:`conformance._framework.backend_capture`. See docs/reports.md."""
 from __future__ import annotations
 
-import dataclasses
 import datetime as _dt
 import json
 import os
@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from conformance import __version__
 from conformance._framework import reporting
+from conformance._framework.backend_capture import capture_backend_calls as _capture_backend_calls
 from conformance._framework.backend_option import backends_of
 from conformance._framework.selection import backend_spec_from_env
 from conformance._framework.reporting import Artifacts, TestRecord, area_of, gate_failures, render_markdown
@@ -121,71 +121,6 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
             restore()
         reporting._set_current(None)
         del item.stash[_ARTIFACTS_KEY]
-
-
-# Backend entry points whose tensor arguments and results are kept for a failing test's artifacts, so every
-# backend-driven failure ships its inputs and outputs even when the check registered nothing itself.
-_CAPTURED = {
-    "prepare_dense": ("layer", "device"),
-    "run_dense": ("prepared", "x"),
-    "prepare_moe": ("experts", "device"),
-    "run_moe": ("prepared", "x", "topk_ids", "topk_weights"),
-}
-_MAX_CAPTURED_CALLS = 4  # per entry point and test: enough to see the case, bounded for big sweeps
-_ABSENT = object()
-
-
-def _tensors_of(prefix: str, value: Any) -> dict[str, torch.Tensor]:
-    """Tensors in ``value`` (a tensor, or a dataclass such as DenseLayer / MoEExperts) keyed by ``prefix``."""
-    if isinstance(value, torch.Tensor):
-        return {prefix: value}
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f"{prefix}.{f.name}": getattr(value, f.name) for f in dataclasses.fields(value)
-                if isinstance(getattr(value, f.name), torch.Tensor)}
-    return {}
-
-
-def _capture_backend_calls(backend: Any, artifacts: Artifacts):
-    """Wrap the backend instance's entry points for one test; returns the function that unwraps them."""
-    own = getattr(backend, "__dict__", None)
-    if backend is None or own is None:  # no backend, or one with __slots__: nothing to wrap
-        return None
-    wrapped: dict[str, Any] = {}  # method -> what the instance itself held under that name (or _ABSENT)
-    for method, arg_names in _CAPTURED.items():
-        original = getattr(backend, method, None)
-        if original is None:
-            continue
-
-        def capture(*args, _original=original, _method=method, _names=arg_names, _calls=[0], **kwargs):
-            n = _calls[0]
-            _calls[0] += 1
-            if n >= _MAX_CAPTURED_CALLS:
-                return _original(*args, **kwargs)
-            tensors = {}
-            for name, value in [*zip(_names, args), *kwargs.items()]:
-                tensors.update(_tensors_of(f"{_method}.{n}.{name}", value))
-            if tensors:
-                artifacts.save("backend_calls", **tensors)  # inputs first: kept even when the call raises
-            out = _original(*args, **kwargs)
-            if _method.startswith("run_") and isinstance(out, torch.Tensor):
-                artifacts.save("backend_calls", **{f"{_method}.{n}.out": out})
-            return out
-
-        previous = own.get(method, _ABSENT)
-        try:
-            setattr(backend, method, capture)
-        except (AttributeError, TypeError):  # a backend refusing attributes: no capture, nothing breaks
-            continue
-        wrapped[method] = previous
-
-    def restore() -> None:
-        for method, previous in wrapped.items():
-            if previous is _ABSENT:
-                own.pop(method, None)
-            else:
-                own[method] = previous
-
-    return restore
 
 
 @pytest.fixture
