@@ -85,7 +85,9 @@ def check(area: str, name: str | None = None, *, test: str | None = None,
             raise TypeError(f"check {function.__name__} requires {unknown}: a check is given only {_PARAMETERS}")
         key = name or function.__name__
         registered = _CHECKS.setdefault(area, {}).get(key)
-        if registered is not None and registered.function is not function:
+        same = registered is not None and (registered.function.__module__, registered.function.__qualname__) == (
+            function.__module__, function.__qualname__)  # the module imported again (e.g. a nested pytest run)
+        if registered is not None and not same:
             raise ValueError(f"check {area}/{key} is registered twice ({registered.function.__module__} and "
                              f"{function.__module__})")
         _CHECKS[area][key] = Check(area, key, function, test, applies_to, own_run)

@@ -27,6 +27,7 @@ INTERFACES = {
     "rules": "conformance.interfaces.rules:RulesEngine",
     "layer_code": "conformance.interfaces.layer_code:LayerCodeEngine",
     "server": "conformance.interfaces.server:ServerDialect",
+    "flashinfer_platform": "conformance.interfaces.flashinfer_platform:FlashInferPlatform",
 }
 
 
@@ -47,7 +48,8 @@ def _adapter(vendor: str, module: str, attr: str) -> str:
 BUILTINS: dict[str, Builtin] = {b.name: b for b in (
     Builtin("reference", {"kernel": _adapter("reference", "kernel", "ReferenceBackend"),
                           "rules": _adapter("reference", "rules", "ReferenceRules")}),
-    Builtin("flashinfer", {"kernel": _adapter("flashinfer", "kernel", "all_backends")}),
+    Builtin("flashinfer", {"kernel": _adapter("flashinfer", "kernel", "all_backends"),
+                           "flashinfer_platform": _adapter("flashinfer", "platform", "current_platform")}),
     Builtin("sglang", {"rules": _adapter("sglang", "rules", "load"),
                        "layer_code": _adapter("sglang", "layer_code", "SGLangLayerCode"),
                        "server": _adapter("sglang", "server", "SGLangDialect")}),
@@ -71,7 +73,8 @@ def names_for(interface: str) -> list[str]:
     return [b.name for b in BUILTINS.values() if interface in b.implements]
 
 
-_LABELS = {"kernel": "backend", "rules": "engine", "layer_code": "engine", "server": "server API"}
+_LABELS = {"kernel": "backend", "rules": "engine", "layer_code": "engine", "server": "server API",
+           "flashinfer_platform": "FlashInfer platform"}
 
 
 @dataclass(frozen=True)
@@ -167,6 +170,12 @@ def instantiate(obj: Any, interface: str) -> Any:
     return obj
 
 
+def flashinfer_platform(installed: bool = False) -> Any:
+    """Where FlashInfer runs for the b200 tier (:class:`conformance.interfaces.flashinfer_platform.FlashInferPlatform`):
+    the emulator under ``--flashinfer-emulated``, else (or when ``installed``) the installed library."""
+    return import_target(target_of("flashinfer", "flashinfer_platform"))(installed=installed)
+
+
 def rules_profile_of(name: str) -> str | None:
     """The rules profile a built-in's rules are judged by unless told (None: the suite's default)."""
     row = BUILTINS.get(name)
@@ -226,5 +235,5 @@ def _load_one(spec: str) -> list[Backend]:
 
 __all__ = ["BACKEND_ENV_VAR", "BUILTINS", "DEFAULT_BACKEND", "INTERFACES", "OPTIONS", "BackendLoadError", "Builtin",
            "EngineLoadError", "EngineUnavailable", "NotImplementedHere", "Option", "SelectionError",
-           "backend_spec_from_env", "builtin_backends", "import_target", "instantiate", "load_backends", "names_for",
+           "backend_spec_from_env", "builtin_backends", "flashinfer_platform", "import_target", "instantiate", "load_backends", "names_for",
            "option_value", "register", "rules_profile_of", "target_of"]

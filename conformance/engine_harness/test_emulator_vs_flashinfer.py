@@ -17,6 +17,7 @@ import torch
 import reference_impl.flashinfer_emulator as fe
 from reference_impl.bounds.dense import dense_error_bound, error_figures
 from conformance._framework.cases import as_params
+from conformance._framework.selection import flashinfer_platform
 from conformance.engine_harness.emulator_cases import BAD_INPUT_CASES, BadInputCase, emulator_api, flashinfer_api
 from conformance.engine_harness.cases import EngineMoECase, build_moe_checkpoint, build_moe_inputs
 from reference_impl.dense import w4a16_linear_exact
@@ -59,12 +60,7 @@ DENSE_SHAPES = [(1, 256, 128), (7, 192, 256), (33, 4096, 4096), (128, 1024, 512)
 @pytest.mark.parametrize("m,n,k", DENSE_SHAPES)
 def test_dense_agrees_within_bound(backend_tag, m, n, k):
     api = _real_api()
-    from conformance.adapters.flashinfer.kernel import capability_skip_reason, precondition_skip_reason
-    from conformance.adapters.flashinfer.platform import InstalledFlashInfer
-
-    gpu = torch.cuda.get_device_capability(), torch.cuda.get_device_name()
-    reason = capability_skip_reason(api.mm_bf16_fp4, backend_tag, *gpu) or precondition_skip_reason(
-        backend_tag, InstalledFlashInfer())
+    reason = flashinfer_platform(installed=True).gemm_skip_reason(backend_tag, "cuda")
     if reason:
         pytest.skip(reason)
     g = torch.Generator(device="cuda").manual_seed(m * 7 + n + k)
@@ -102,13 +98,11 @@ MOE_ROUTINGS = ("topk", "duplicate_ids", "padding_ids")
 @pytest.mark.parametrize("routing", MOE_ROUTINGS)
 @pytest.mark.parametrize("case", MOE_CASES, ids=[c.id for c in MOE_CASES])
 def test_moe_agrees_within_bound(case: EngineMoECase, routing: str):
-    from conformance.adapters.flashinfer.moe import flashinfer_moe_skip_reason
-    from conformance.adapters.flashinfer.platform import InstalledFlashInfer
     from reference_impl.bounds.moe import moe_error_bound
     from reference_impl.routing import duplicate_slots, padding_slots
 
     api = _real_api()
-    reason = flashinfer_moe_skip_reason(None, torch.device("cuda"), InstalledFlashInfer())
+    reason = flashinfer_platform(installed=True).moe_skip_reason("cuda")
     if reason:
         pytest.skip(reason)
     experts = build_moe_checkpoint(case).local_experts()

@@ -58,12 +58,10 @@ def _flashinfer_platform(kind: str):
     the CuTe DSL MoE, gated as FlashInfer gates them."""
     import torch
 
-    from conformance.adapters.flashinfer.kernel import capability_skip_reason, precondition_skip_reason
-    from conformance.adapters.flashinfer.moe import flashinfer_moe_skip_reason
-    from conformance.adapters.flashinfer.platform import current_platform
+    from conformance._framework.selection import flashinfer_platform
     from conformance._framework.tiers import device_for_tier
 
-    platform = current_platform()
+    platform = flashinfer_platform()
     module, reason = platform.load()
     if module is None:
         pytest.skip(reason)
@@ -71,10 +69,9 @@ def _flashinfer_platform(kind: str):
     gpu = platform.gpu(device)
     if isinstance(gpu, str):
         pytest.skip(gpu)
-    reason = capability_skip_reason(module.mm_bf16_fp4, "cute-dsl", gpu.capability, gpu.name) or (
-        precondition_skip_reason("cute-dsl", platform))
+    reason = platform.gemm_skip_reason("cute-dsl", device)
     if kind == "moe":
-        reason = reason or flashinfer_moe_skip_reason(None, device, platform)
+        reason = reason or platform.moe_skip_reason(device)
     if reason:
         pytest.skip(reason)
     return platform

@@ -36,7 +36,9 @@ from conformance.adapters.flashinfer.platform import (  # noqa: F401 - load_flas
     FlashInferPlatform,
     cudnn_skip_reason,
     current_platform,
+    capability_skip_reason,
     load_flashinfer,
+    precondition_skip_reason,
 )
 
 #: GEMM backends of FlashInfer 0.7.4, used only if the installed version's signature cannot be read.
@@ -59,25 +61,6 @@ def offered_gemm_backends(mm_bf16_fp4: Any) -> tuple[str, ...]:
     names = tuple(n for n in names if isinstance(n, str)) or KNOWN_GEMM_BACKENDS
     has = getattr(mm_bf16_fp4, "has_backend", None)
     return tuple(n for n in names if has is None or has(n))
-
-
-def capability_skip_reason(mm_bf16_fp4: Any, gemm_backend: str, capability: tuple[int, int], gpu: str) -> str | None:
-    """FlashInfer's verdict on ``gemm_backend`` at ``capability``, as a skip reason (``None``: supported)."""
-    cc = capability[0] * 10 + capability[1]
-    if mm_bf16_fp4.is_backend_supported(gemm_backend, cc):
-        return None
-    return f"flashinfer mm_bf16_fp4 backend '{gemm_backend}' does not support SM{cc} ({gpu})"
-
-
-def precondition_skip_reason(gemm_backend: str, platform: FlashInferPlatform) -> str | None:
-    """What ``gemm_backend`` needs besides the capability (cuDNN for ``cudnn``, the CuTe DSL for ``cute-dsl``),
-    as a skip reason naming what was found; ``None`` when it is there."""
-    if gemm_backend == "cudnn":
-        return cudnn_skip_reason(*platform.cudnn())
-    if gemm_backend == "cute-dsl":
-        problem = platform.cute_dsl_problem(None)
-        return f"flashinfer mm_bf16_fp4 backend 'cute-dsl' {problem}" if problem else None
-    return None
 
 
 def shape_skip_reason(gemm_backend: str, n: int, k: int) -> str | None:

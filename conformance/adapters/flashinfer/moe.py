@@ -40,9 +40,13 @@ import torch
 from reference_impl.nvfp4 import W13_CHUNK_ROWS, swizzle_128x4, swizzled_shape, to_cutedsl_w13, unswizzle_128x4
 
 from conformance.interfaces.kernel import CaseInfo, MoEExperts
-from conformance.adapters.flashinfer.platform import FlashInferPlatform, current_platform
+from conformance.adapters.flashinfer.platform import (  # noqa: F401 - the MoE gate lives with the platform's
+    SUPPORTED_CAPABILITIES,
+    FlashInferPlatform,
+    current_platform,
+    flashinfer_moe_skip_reason,
+)
 
-SUPPORTED_CAPABILITIES = ((10, 0), (10, 3), (10, 7))
 _ACTIVATION_TYPE_NAMES = {"swiglu": "Swiglu", "swiglu_oai": "Swiglu", "geglu": "GegluTanh", "relu2": "Relu2"}
 
 
@@ -136,47 +140,6 @@ def build_kernel_layout(experts: MoEExperts, device: torch.device | str = "cpu",
 
 
 # ----------------------------------------------------------------------------------------- FlashInfer
-def flashinfer_moe_skip_reason(case: CaseInfo | None, device: torch.device | None = None,
-                               platform: FlashInferPlatform | None = None) -> str | None:
-    """Why FlashInfer's W4A16 MoE cannot run here (``None`` if it can): shape, device, import, version,
-    capability (FlashInfer's own query), CuTe DSL availability; ``platform`` defaults to the current one
-    (the emulator under ``--flashinfer-emulated``)."""
-    platform = platform or current_platform()
-    device = torch.device(device if device is not None else (case.device if case else "cuda"))
-    if case is not None:
-        inter = case.shape.get("intermediate", 0)
-        if case.features & {"swiglu", "geglu", "swiglu_oai"} and inter % W13_CHUNK_ROWS:
-            return f"gated W13 needs intermediate % {W13_CHUNK_ROWS} == 0 for the 64-row interleave, got {inter}"
-        if "untied_gate_up_general" in case.features:
-            return (
-                "gate/up decode scales differ by a non-power-of-two ratio: CuteDslMoEWrapper takes one GEMM1 "
-                "alpha per expert and no exact fold exists (see flashinfer_moe.fold_gate_up_scales)"
-            )
-    gpu = platform.gpu(device)
-    if isinstance(gpu, str):
-        return f"FlashInfer CuTe DSL W4A16 MoE (SM100/SM103/SM107): {gpu}"
-    module, reason = platform.load()
-    if module is None:
-        return reason
-    version = getattr(module, "__version__", "unknown")
-    try:
-        wrapper_cls, _ = platform.moe_wrapper()
-    except Exception as exc:  # noqa: BLE001 - any import failure is a reason to skip, reported verbatim
-        return f"flashinfer {version}: CuteDslMoEWrapper not importable ({type(exc).__name__}: {exc})"
-    if "quant_mode" not in inspect.signature(wrapper_cls.__init__).parameters:
-        return f"flashinfer {version}: CuteDslMoEWrapper has no quant_mode (W4A16 MoE needs FlashInfer >= 0.7)"
-    cap = gpu.capability
-    query = getattr(wrapper_cls.__init__, "is_compute_capability_supported", None)
-    supported = query(cap[0] * 10 + cap[1]) if query else cap in SUPPORTED_CAPABILITIES
-    if not supported:
-        return (
-            f"CuteDslMoEWrapper supports SM100/SM103/SM107 (flashinfer {version}), "
-            f"found SM{cap[0]}{cap[1]} ({gpu.name})"
-        )
-    problem = platform.cute_dsl_problem(cap)
-    return f"FlashInfer CuTe DSL W4A16 MoE {problem}" if problem else None
-
-
 @dataclass
 class PreparedFlashInferMoE:
     weights: KernelMoEWeights

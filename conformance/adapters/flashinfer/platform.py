@@ -1,4 +1,5 @@
-"""Where the FlashInfer backends run, behind one small interface (:class:`FlashInferPlatform`):
+"""Where the FlashInfer backends run, behind one small interface
+(:class:`conformance.interfaces.flashinfer_platform.FlashInferPlatform`):
 
 * :class:`InstalledFlashInfer`: the installed ``flashinfer`` on this machine's CUDA GPU (the ``b200`` tier);
 * :class:`EmulatedFlashInfer`: ``reference_impl.flashinfer_emulator`` standing in for it on this host's device
@@ -21,13 +22,15 @@ is a skip reason naming what was found and what is needed, checked the way Flash
 """
 from __future__ import annotations
 
-import abc
+import inspect
 import re
 from types import ModuleType
 from typing import Any
 
 import torch
 
+from reference_impl.nvfp4 import W13_CHUNK_ROWS
+from conformance.interfaces.flashinfer_platform import FlashInferPlatform
 from conformance.interfaces.hardware import Gpu, b200_emulated
 
 #: FlashInfer 0.7.4's minimum cuDNN backend version for BF16 x FP4 (used when the installed FlashInfer
@@ -93,48 +96,88 @@ def cudnn_skip_reason(frontend: str | None, backend_version: int | None, minimum
     return None
 
 
-class FlashInferPlatform(abc.ABC):
-    """What the FlashInfer backends and the engine harness need to know about where FlashInfer runs."""
+SUPPORTED_CAPABILITIES = ((10, 0), (10, 3), (10, 7))
 
-    #: ``True`` for the emulator standing in (reports mark such runs, never counting them as B200 results).
-    emulated: bool = False
 
-    @abc.abstractmethod
-    def load(self) -> tuple[Any, str | None]:
-        """``(flashinfer API module, None)``, or ``(None, why not)`` (missing, broken, too old)."""
-
-    @abc.abstractmethod
-    def describe(self, module: Any) -> str:
-        """Version text for reports, e.g. ``flashinfer 0.7.4``."""
-
-    @abc.abstractmethod
-    def gpu(self, device: torch.device) -> Gpu | str:
-        """The GPU a case on ``device`` runs on (its capability decides), or why there is none."""
-
-    @abc.abstractmethod
-    def cudnn(self) -> tuple[str | None, int | None, int, str | None]:
-        """``(frontend version, backend version, FlashInfer's minimum backend version, why unavailable)``."""
-
-    @abc.abstractmethod
-    def cute_dsl_problem(self, capability: tuple[int, int] | None) -> str | None:
-        """Why the CuTe DSL cannot run here (``capability``: also check its arch support, MoE kernels)."""
-
-    def cute_dsl_gemm_shape_problem(self, m: int, n: int, k: int, capability: tuple[int, int]) -> str | None:
-        """Why the ``cute-dsl`` dense GEMM has no kernel for ``M x N x K`` here (``None``: it has one, or the
-        platform cannot tell). Only the installed FlashInfer can answer: it asks its own kernel's
-        ``can_implement`` for every tactic, as its tactic chooser does."""
+# ------------------------------------------------------------------------------------------------ gates
+def capability_skip_reason(mm_bf16_fp4: Any, gemm_backend: str, capability: tuple[int, int], gpu: str) -> str | None:
+    """FlashInfer's verdict on ``gemm_backend`` at ``capability``, as a skip reason (``None``: supported)."""
+    cc = capability[0] * 10 + capability[1]
+    if mm_bf16_fp4.is_backend_supported(gemm_backend, cc):
         return None
-
-    @abc.abstractmethod
-    def moe_wrapper(self) -> tuple[type, Any]:
-        """``(CuteDslMoEWrapper, ActivationType)``; import errors propagate."""
-
-    @abc.abstractmethod
-    def module_tree(self) -> dict[str, ModuleType]:
-        """``flashinfer*`` modules for the engine harness's stand-in (``sys.modules`` entries)."""
+    return f"flashinfer mm_bf16_fp4 backend '{gemm_backend}' does not support SM{cc} ({gpu})"
 
 
-class InstalledFlashInfer(FlashInferPlatform):
+def precondition_skip_reason(gemm_backend: str, platform: FlashInferPlatform) -> str | None:
+    """What ``gemm_backend`` needs besides the capability (cuDNN for ``cudnn``, the CuTe DSL for ``cute-dsl``),
+    as a skip reason naming what was found; ``None`` when it is there."""
+    if gemm_backend == "cudnn":
+        return cudnn_skip_reason(*platform.cudnn())
+    if gemm_backend == "cute-dsl":
+        problem = platform.cute_dsl_problem(None)
+        return f"flashinfer mm_bf16_fp4 backend 'cute-dsl' {problem}" if problem else None
+    return None
+
+
+def flashinfer_moe_skip_reason(case: CaseInfo | None, device: torch.device | None = None,
+                               platform: FlashInferPlatform | None = None) -> str | None:
+    """Why FlashInfer's W4A16 MoE cannot run here (``None`` if it can): shape, device, import, version,
+    capability (FlashInfer's own query), CuTe DSL availability; ``platform`` defaults to the current one
+    (the emulator under ``--flashinfer-emulated``)."""
+    platform = platform or current_platform()
+    device = torch.device(device if device is not None else (case.device if case else "cuda"))
+    if case is not None:
+        inter = case.shape.get("intermediate", 0)
+        if case.features & {"swiglu", "geglu", "swiglu_oai"} and inter % W13_CHUNK_ROWS:
+            return f"gated W13 needs intermediate % {W13_CHUNK_ROWS} == 0 for the 64-row interleave, got {inter}"
+        if "untied_gate_up_general" in case.features:
+            return (
+                "gate/up decode scales differ by a non-power-of-two ratio: CuteDslMoEWrapper takes one GEMM1 "
+                "alpha per expert and no exact fold exists (see flashinfer_moe.fold_gate_up_scales)"
+            )
+    gpu = platform.gpu(device)
+    if isinstance(gpu, str):
+        return f"FlashInfer CuTe DSL W4A16 MoE (SM100/SM103/SM107): {gpu}"
+    module, reason = platform.load()
+    if module is None:
+        return reason
+    version = getattr(module, "__version__", "unknown")
+    try:
+        wrapper_cls, _ = platform.moe_wrapper()
+    except Exception as exc:  # noqa: BLE001 - any import failure is a reason to skip, reported verbatim
+        return f"flashinfer {version}: CuteDslMoEWrapper not importable ({type(exc).__name__}: {exc})"
+    if "quant_mode" not in inspect.signature(wrapper_cls.__init__).parameters:
+        return f"flashinfer {version}: CuteDslMoEWrapper has no quant_mode (W4A16 MoE needs FlashInfer >= 0.7)"
+    cap = gpu.capability
+    query = getattr(wrapper_cls.__init__, "is_compute_capability_supported", None)
+    supported = query(cap[0] * 10 + cap[1]) if query else cap in SUPPORTED_CAPABILITIES
+    if not supported:
+        return (
+            f"CuteDslMoEWrapper supports SM100/SM103/SM107 (flashinfer {version}), "
+            f"found SM{cap[0]}{cap[1]} ({gpu.name})"
+        )
+    problem = platform.cute_dsl_problem(cap)
+    return f"FlashInfer CuTe DSL W4A16 MoE {problem}" if problem else None
+
+
+class AdapterPlatform(FlashInferPlatform):
+    """The gates both platforms answer the same way, from the adapter's own checks (kernel.py, moe.py)."""
+
+    def gemm_skip_reason(self, gemm_backend: str, device: torch.device | str) -> str | None:
+        module, reason = self.load()
+        if module is None:
+            return reason
+        gpu = self.gpu(torch.device(device))
+        if isinstance(gpu, str):
+            return gpu
+        return (capability_skip_reason(module.mm_bf16_fp4, gemm_backend, gpu.capability, gpu.name)
+                or precondition_skip_reason(gemm_backend, self))
+
+    def moe_skip_reason(self, device: torch.device | str) -> str | None:
+        return flashinfer_moe_skip_reason(None, torch.device(device), self)
+
+
+class InstalledFlashInfer(AdapterPlatform):
     """The installed FlashInfer on this machine's CUDA GPUs."""
 
     def load(self) -> tuple[Any, str | None]:
@@ -207,7 +250,7 @@ class InstalledFlashInfer(FlashInferPlatform):
         return {k: m for k, m in sys.modules.items() if (k == "flashinfer" or k.startswith("flashinfer.")) and m}
 
 
-class EmulatedFlashInfer(FlashInferPlatform):
+class EmulatedFlashInfer(AdapterPlatform):
     """``reference_impl.flashinfer_emulator`` in FlashInfer's place (``--flashinfer-emulated``)."""
 
     emulated = True
@@ -260,7 +303,7 @@ def cute_dsl_tactics_problem(can_implement: Any, tactics: Any, cutlass: Any, m: 
             f"(Sm100DenseGemmBf16Fp4Kernel.can_implement is False for all {len(tuple(tactics))} tactics)")
 
 
-def current_platform() -> FlashInferPlatform:
-    """The emulator under ``--flashinfer-emulated`` (:func:`conformance.interfaces.hardware.b200_emulated`), else the
-    installed FlashInfer."""
-    return EmulatedFlashInfer() if b200_emulated() else InstalledFlashInfer()
+def current_platform(installed: bool = False) -> FlashInferPlatform:
+    """The emulator under ``--flashinfer-emulated`` (:func:`conformance.interfaces.hardware.b200_emulated`), else (or
+    when ``installed``) the installed FlashInfer. The selection table's ``flashinfer_platform`` of ``flashinfer``."""
+    return EmulatedFlashInfer() if b200_emulated() and not installed else InstalledFlashInfer()
