@@ -169,6 +169,8 @@ class ModelCatalog:
             raise ModelError(f"--server-weights {weights!r}: choose from {', '.join(SERVED_WEIGHTS)}")
         self.families, self.fixture_root, self.weights = families, fixture_root, weights
         self.checkpoints = [str(Path(c).resolve()) for c in checkpoints]
+        #: served name -> user checkpoint (names carry the index, so two checkpoints with one label differ)
+        self._user_names = {f"{USER_PREFIX}{i}-{label_of(c)}": c for i, c in enumerate(self.checkpoints)}
         self.tokenizer = tokenizer
         self.truth_device = truth_device  # where the reference's truth runs (None: CUDA if available)
         self._root: Path | None = None
@@ -176,9 +178,12 @@ class ModelCatalog:
         self._truths: dict[tuple[str, str], GoldenTruth] = {}
 
     def names(self) -> list[str]:
-        if self.checkpoints:
-            return [f"{USER_PREFIX}{i}-{label_of(c)}" for i, c in enumerate(self.checkpoints)]
-        return list(self.families)
+        return list(self._user_names) if self.checkpoints else list(self.families)
+
+    def serve_fixture_dir(self, root: Path, family: str) -> None:
+        """Serve fixture family ``family`` from the build directory ``root`` (an attached server's checkpoint)."""
+        self.families, self.fixture_root, self._root = [family], str(root), None
+        self._models.clear()
 
     def check_user_checkpoints(self) -> None:
         """Start-up checks of every user checkpoint: one the reference can serve (every tensor it needs, no
@@ -225,8 +230,9 @@ class ModelCatalog:
         return fixture_model(family, self._root)
 
     def _user_model(self, name: str) -> ServedModel:
-        index = int(name[len(USER_PREFIX):].split("-", 1)[0])
-        src = self.checkpoints[index]
+        src = self._user_names.get(name)
+        if src is None:
+            raise ModelError(f"no user checkpoint is served as {name!r} (served: {', '.join(self._user_names)})")
         tokenizer = resolve_tokenizer(src, self.tokenizer)
         base = work_dir() / name
         with _locked(work_dir() / f"{name}.lock"):

@@ -113,7 +113,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if checkpoints and config.getoption("--server-url") and len(checkpoints) != 1:
         raise pytest.UsageError("--server-url serves one checkpoint: give one --server-checkpoint")
     try:  # clear errors at start, before any server: a missing or unfitting tokenizer, not a checkpoint
-        ModelCatalog([], None, checkpoints, config.getoption("--tokenizer")).check_user_checkpoints()
+        _catalog(config).check_user_checkpoints()
     except ModelError as exc:
         raise pytest.UsageError(str(exc)) from exc
     bf16 = config.getoption("--server-weights") == "bf16"
@@ -176,7 +176,18 @@ def _configs(config: pytest.Config) -> list[ServerConfig]:
     return reference_configs(gpus)
 
 
+_CATALOG_KEY = pytest.StashKey[ModelCatalog]()
+
+
 def _catalog(config: pytest.Config) -> ModelCatalog:
+    """The session's model catalog, built once per process from the options (kept in the config's stash)."""
+    catalog = config.stash.get(_CATALOG_KEY, None)
+    if catalog is None:
+        catalog = config.stash[_CATALOG_KEY] = _build_catalog(config)
+    return catalog
+
+
+def _build_catalog(config: pytest.Config) -> ModelCatalog:
     families = [f for f in config.getoption("--server-models").split(",") if f]
     root = config.getoption("--server-checkpoints")
     if config.getoption("--server-url") and not config.getoption("--server-checkpoint"):
@@ -268,8 +279,7 @@ class ServerPool:
                 if not path.name.endswith("-a"):
                     pytest.fail(f"the attached server serves {path}, not a fixture checkpoint <family>-a: pass "
                                 f"--server-checkpoint {path} (and --tokenizer) instead", pytrace=False)
-                self.catalog = ModelCatalog([path.name[:-2]], str(path.parent), [], None,
-                                            truth_device=self.catalog.truth_device)
+                self.catalog.serve_fixture_dir(path.parent, path.name[:-2])
                 name = path.name[:-2]
             return self.catalog.served(name)
         except ModelError as exc:
