@@ -332,27 +332,7 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
             f"| {r['area']} | {r['backend']} | {r['pass']} | {r['fail']} | {r['xfail']} | {r['skip']} "
             f"| {_fmt_ratio(r['worst_bound_ratio'])} | {markdown_cell(_fmt_ids(r['failing']))} |"
         )
-    failing = [t for t in tests if t["outcome"] in FAILING_OUTCOMES]
-    if failing or summary.get("run_errors"):
-        lines += ["", "## Failures", ""]
-        if summary.get("repro_cwd"):
-            lines += [f"Repro commands run from `{summary['repro_cwd']}`.", ""]
-        for e in summary.get("run_errors", []):
-            lines.append(f"- run error: {e}")
-        for t in failing:
-            lines += [f"### `{t['nodeid']}`", "", f"- outcome: **{t['outcome']}** ({t['area']}, tier {t['tier']})"]
-            if t["message"]:
-                lines.append(f"- message: {markdown_cell(t['message'][:_MAX_MESSAGE])}")
-            ratio = bound_ratio_of(t)
-            if ratio is not None:
-                lines.append(f"- bound ratio: {_fmt_ratio(ratio)}")
-            if t.get("properties", {}).get("diagnosis"):
-                lines.append(f"- likely cause: {markdown_cell(str(t['properties']['diagnosis']))}")
-            for path in t["artifacts"]:
-                lines.append(f"- artifact: `{path}`")
-            if t["repro"]:
-                lines += ["", "```bash", t["repro"], "```"]
-            lines.append("")
+    lines += _failures_section(summary)
     lines += _patterns_section(tests)
     for section in _SECTIONS:
         lines += section(tests)
@@ -368,6 +348,33 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
         lines += ["", "## Skipped, by reason", "", "| Reason | Tests |", "| --- | ---: |"]
         lines += [f"| {markdown_cell(reason)} | {n} |" for reason, n in sorted(skipped.items(), key=lambda kv: -kv[1])]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _failures_section(summary: Mapping[str, Any]) -> list[str]:
+    """Run errors, then each failing test: message, bound ratio, likely cause, artifacts and repro command."""
+    failing = [t for t in summary["tests"] if t["outcome"] in FAILING_OUTCOMES]
+    if not failing and not summary.get("run_errors"):
+        return []
+    lines = ["", "## Failures", ""]
+    if summary.get("repro_cwd"):
+        lines += [f"Repro commands run from `{summary['repro_cwd']}`.", ""]
+    for e in summary.get("run_errors", []):
+        lines.append(f"- run error: {e}")
+    for t in failing:
+        lines += [f"### `{t['nodeid']}`", "", f"- outcome: **{t['outcome']}** ({t['area']}, tier {t['tier']})"]
+        if t["message"]:
+            lines.append(f"- message: {markdown_cell(t['message'][:_MAX_MESSAGE])}")
+        ratio = bound_ratio_of(t)
+        if ratio is not None:
+            lines.append(f"- bound ratio: {_fmt_ratio(ratio)}")
+        if t.get("properties", {}).get("diagnosis"):
+            lines.append(f"- likely cause: {markdown_cell(str(t['properties']['diagnosis']))}")
+        for path in t["artifacts"]:
+            lines.append(f"- artifact: `{path}`")
+        if t["repro"]:
+            lines += ["", "```bash", t["repro"], "```"]
+        lines.append("")
+    return lines
 
 
 def _patterns_section(tests: Iterable[Mapping[str, Any]]) -> list[str]:

@@ -104,67 +104,80 @@ class Pace:
     def run(self, send: Callable[[], T], what: str, kind: str, probe: Callable[[float], ProbeResult],
             work: float = 1.0) -> T:
         """``send()`` in a worker thread, waited for by the rules above; its result (or its exception)."""
-        box: dict[str, object] = {}
-        done = threading.Event()
-
-        def target() -> None:
-            try:
-                box["value"] = send()
-            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
-                box["error"] = exc
-            finally:
-                done.set()
-
         with self._lock:
             self._in_flight += 1
             peak = self._in_flight
         start = time.monotonic()
-        threading.Thread(target=target, name=f"paced {what}", daemon=True).start()
+        done, box = _in_thread(send, f"paced {what}")
         try:
-            slowdown, stalled_since, unhealthy = 1.0, None, 0
-            while True:
-                with self._lock:
-                    peak = max(peak, self._in_flight)
-                limit = self.limit(kind, peak, slowdown, work)
-                if done.wait(max(0.0, start + limit - time.monotonic())):
-                    break
-                result = probe(STALL_FACTOR * self.limit("generate", peak))  # the probe may be slow too
-                self.probes += 1
-                if result.probe_s is not None:
-                    new = max(1.0, result.probe_s / max(self.calibration.probe_s, 1e-3))
-                    self.slowest = max(self.slowest, new)
-                    slowdown = max(slowdown, new)
-                if done.is_set():
-                    break
-                waited = time.monotonic() - start
-                unhealthy = 0 if result.healthy else unhealthy + 1
-                if unhealthy >= HUNG_PROBES:
-                    raise ServerHung(f"{what}: the server stopped answering its health endpoint ({result.note}; "
-                                     f"{HUNG_PROBES} probes in a row); the request had waited {waited:.1f} s "
-                                     f"({self.calibration.describe()})")
-                if result.probe_s is None:  # alive but nothing completes (or not answering): slow or stuck
-                    stalled_since = stalled_since or (start + limit)
-                    if time.monotonic() - stalled_since > STALL_FACTOR * limit:
-                        raise ServerStalled(
-                            f"{what}: server stalled: it answers its health endpoint but completed no request, "
-                            f"not even a 1-token probe, for {time.monotonic() - stalled_since:.0f} s "
-                            f"({result.note}); the request had waited {waited:.0f} s "
-                            f"({self.calibration.describe()})")
-                    if done.wait(limit):  # probe again after another limit
-                        break
-                    continue
-                stalled_since = None
-                if waited < self.limit(kind, peak, slowdown, work):
-                    continue  # slow, not lost: wait on at the slowest speed measured
-                raise RequestLost(
-                    f"{what}: request lost: no answer after {waited:.1f} s, while the server answers its health "
-                    f"endpoint and served a 1-token probe in {result.probe_s:.2f} s (its calibrated "
-                    f"{self.calibration.probe_s:.2f} s; slowest seen {slowdown:.1f}x): at that speed, with {peak} "
-                    f"request(s) in flight, it should have answered within {self.limit(kind, peak, slowdown, work):.1f} s "
-                    f"({self.calibration.describe()})")
+            self._wait(done, start, peak, what, kind, probe, work)
         finally:
             with self._lock:
                 self._in_flight -= 1
         if "error" in box:
             raise box["error"]  # type: ignore[misc]
         return box["value"]  # type: ignore[return-value]
+
+    def _wait(self, done: threading.Event, start: float, peak: int, what: str, kind: str,
+              probe: Callable[[float], ProbeResult], work: float) -> None:
+        """Wait until ``done`` (a request sent at ``start``, ``peak`` in flight then), probing the server at each
+        limit; raises ServerHung, ServerStalled or RequestLost as described above."""
+        slowdown, stalled_since, unhealthy = 1.0, None, 0
+        while True:
+            with self._lock:
+                peak = max(peak, self._in_flight)
+            limit = self.limit(kind, peak, slowdown, work)
+            if done.wait(max(0.0, start + limit - time.monotonic())):
+                break
+            result = probe(STALL_FACTOR * self.limit("generate", peak))  # the probe may be slow too
+            self.probes += 1
+            if result.probe_s is not None:
+                new = max(1.0, result.probe_s / max(self.calibration.probe_s, 1e-3))
+                self.slowest = max(self.slowest, new)
+                slowdown = max(slowdown, new)
+            if done.is_set():
+                break
+            waited = time.monotonic() - start
+            unhealthy = 0 if result.healthy else unhealthy + 1
+            if unhealthy >= HUNG_PROBES:
+                raise ServerHung(f"{what}: the server stopped answering its health endpoint ({result.note}; "
+                                 f"{HUNG_PROBES} probes in a row); the request had waited {waited:.1f} s "
+                                 f"({self.calibration.describe()})")
+            if result.probe_s is None:  # alive but nothing completes (or not answering): slow or stuck
+                stalled_since = stalled_since or (start + limit)
+                if time.monotonic() - stalled_since > STALL_FACTOR * limit:
+                    raise ServerStalled(
+                        f"{what}: server stalled: it answers its health endpoint but completed no request, "
+                        f"not even a 1-token probe, for {time.monotonic() - stalled_since:.0f} s "
+                        f"({result.note}); the request had waited {waited:.0f} s "
+                        f"({self.calibration.describe()})")
+                if done.wait(limit):  # probe again after another limit
+                    break
+                continue
+            stalled_since = None
+            if waited < self.limit(kind, peak, slowdown, work):
+                continue  # slow, not lost: wait on at the slowest speed measured
+            raise RequestLost(
+                f"{what}: request lost: no answer after {waited:.1f} s, while the server answers its health "
+                f"endpoint and served a 1-token probe in {result.probe_s:.2f} s (its calibrated "
+                f"{self.calibration.probe_s:.2f} s; slowest seen {slowdown:.1f}x): at that speed, with {peak} "
+                f"request(s) in flight, it should have answered within {self.limit(kind, peak, slowdown, work):.1f} s "
+                f"({self.calibration.describe()})")
+
+
+def _in_thread(send: Callable[[], T], name: str) -> tuple[threading.Event, dict[str, object]]:
+    """Start ``send()`` in a daemon thread; the event is set when it returns, the dict then holds its ``value`` or
+    its ``error``."""
+    box: dict[str, object] = {}
+    done = threading.Event()
+
+    def target() -> None:
+        try:
+            box["value"] = send()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=target, name=name, daemon=True).start()
+    return done, box

@@ -250,8 +250,6 @@ class WorkloadJudge:
         """Rows among ``failing`` that a branch of near-tie routing flips puts within bounds. Per failing row, the
         flip sets tried: every non-empty subset of the near ties at its own position (the decisions that move
         it most), then those with every near tie before it flipped too; at most MAX_BRANCHES forwards."""
-        from itertools import chain, combinations
-
         from reference_impl.truth.instrument import slot
 
         ties = sorted((t, s) for t, s, gap, var in tf.routes if gap <= self.bound(var))
@@ -272,11 +270,7 @@ class WorkloadJudge:
             here = sorted(((s, t) for t, s in ties if t == row and (s, t) in flips), key=lambda k: ratio[k])
             here = here[:MAX_TIES_HERE]
             before = {(s, t): flips[(s, t)] for t, s in ties if t < row and (s, t) in flips}
-            subsets = (dict((k, flips[k]) for k in c) for n in range(1, len(here) + 1) for c in combinations(here, n))
-            sets = chain(subsets, [before] if before else [],
-                         ({**before, **dict((k, flips[k]) for k in c)}
-                          for n in range(1, len(here) + 1) for c in combinations(here, n)) if before else [])
-            for forced in sets:
+            for forced in _flip_sets(here, before, flips):
                 if spent >= MAX_BRANCHES or row in explained:
                     break
                 key = tuple(sorted(forced))
@@ -290,23 +284,37 @@ class WorkloadJudge:
                 for r in todo.values():  # a branch may explain other rows after its first flip too
                     if r.row in explained or r.row < first:
                         continue
-                    # as the golden comparison's branches (conformance/server/golden.py): a token the engine
-                    # chose within its gap bound of the branch's best and its logprob within the logprob and gap
-                    # bounds; a prompt token (nobody chose it) its logprob within the logprob bound
-                    lp = float(lps[r.row, seq[r.row + 1]])
-                    lp_bound = self.bound(tf.logprob_var[r.row])
-                    if r.row < tf.prompt_len - 1:
-                        ok = abs(r.engine - lp) <= lp_bound
-                    else:
-                        gap = float(logits[r.row].max() - logits[r.row, seq[r.row + 1]])
-                        gap_bound = self.bound(tf.gap_var[r.row]) if float(tf.gap_var[r.row]) > 0 else lp_bound
-                        ok = gap <= gap_bound and abs(r.engine - lp) <= lp_bound + gap_bound
-                    if ok:
+                    if self._within_on_branch(tf, r, logits, lps):
                         explained.add(r.row)
         if explained:
             self.coverage.notes.append(f"{len(explained)} position(s) of one answer within bounds on a branch of "
                                        f"near-tie routings ({len(ties)} near ties)")
         return explained
+
+    def _within_on_branch(self, tf, r: Row, logits: torch.Tensor, lps: torch.Tensor) -> bool:
+        """Whether row ``r`` is within bounds on a branch (its ``logits`` and their log-softmax ``lps``), as the
+        golden comparison's branches (conformance/server/golden.py): a token the engine chose within its gap bound
+        of the branch's best and its logprob within the logprob and gap bounds; a prompt token (nobody chose it)
+        its logprob within the logprob bound."""
+        seq = tf.tokens
+        lp = float(lps[r.row, seq[r.row + 1]])
+        lp_bound = self.bound(tf.logprob_var[r.row])
+        if r.row < tf.prompt_len - 1:
+            return abs(r.engine - lp) <= lp_bound
+        gap = float(logits[r.row].max() - logits[r.row, seq[r.row + 1]])
+        gap_bound = self.bound(tf.gap_var[r.row]) if float(tf.gap_var[r.row]) > 0 else lp_bound
+        return gap <= gap_bound and abs(r.engine - lp) <= lp_bound + gap_bound
+
+
+def _flip_sets(here: list, before: dict, flips: dict):
+    """The flip sets tried for one failing row: every non-empty subset of the near ties at its own position
+    (``here``), then the flips of every near tie before it (``before``) alone and with each of those subsets."""
+    from itertools import chain, combinations
+
+    subsets = [dict((k, flips[k]) for k in c) for n in range(1, len(here) + 1) for c in combinations(here, n)]
+    if not before:
+        return iter(subsets)
+    return chain(subsets, [before], ({**before, **sub} for sub in subsets))
 
 
 def failure_message(coverage: Coverage, what: str) -> str:

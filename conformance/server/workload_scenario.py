@@ -76,6 +76,26 @@ def run_workload(ctx, workload: Workload, device: str | None, report_dir=None) -
         send([prompt], [Planned(f"prefill of {length} tokens (alone)", "a", length, 1)])
     for b in workload.decode_batches:  # decode at M = b
         send(pool[:b], [Planned(f"batch of {b}, prompt {i}", "a", b * workload.short_length, b) for i in range(b)])
+    _repeated(workload, pool, send, coverage)
+    for answer, p in _mixed(workload, pool, send, vocab_size):
+        judge.judge(answer, p)
+    if can_reload:
+        _after_reload(ctx, workload, pool, send, vocab_size)
+    else:
+        coverage.notes.append(f"the {client.name} API cannot reload: the reload part of the workload was not run")
+    if report_dir is not None:
+        _write_coverage(ctx, coverage, report_dir)
+    if coverage.failures:
+        raise AssertionError(failure_message(coverage, f"{ctx.name}: workload {workload.name!r}"))
+    missing = coverage.not_reached()
+    if missing:
+        raise AssertionError(f"{ctx.name}: workload {workload.name!r}: planned cells judged nothing: {missing}")
+    return coverage
+
+
+def _repeated(workload: Workload, pool, send, coverage: Coverage) -> None:
+    """One batch of the pool sent ``workload.repeat`` times; answers that differ between repeats are noted (each is
+    judged against the truth: identical answers are not required)."""
     b, times = workload.repeat
     first = None
     for n in range(times):
@@ -85,34 +105,33 @@ def run_workload(ctx, workload: Workload, device: str | None, report_dir=None) -
         if got != first:
             coverage.notes.append(f"repeat: the batch of {b} answered differently on repeat {n + 1} (each answer "
                                   f"judged against the truth; identical answers are not required)")
-    for answer, p in _mixed(workload, pool, send, vocab_size):
-        judge.judge(answer, p)
-    if can_reload:
-        assert client.reload_weights(ctx.model.b).success, f"{ctx.name}: reloading weight set b failed"
-        try:
-            for b in workload.reload_batches:
-                send(pool[:b], [Planned(f"after a reload of b: batch of {b}, prompt {i}", "b",
-                                        b * workload.short_length, b) for i in range(b)])
-            longest = max(workload.prefill_lengths)
-            prompt = workload.prompts(vocab_size, longest, 1, "prefill")[0]
-            send([prompt], [Planned(f"after a reload of b: prefill of {longest} tokens", "b", longest, 1)])
-        finally:
-            assert client.reload_weights(ctx.model.a).success, f"{ctx.name}: reloading weight set a back failed"
-    else:
-        coverage.notes.append(f"the {client.name} API cannot reload: the reload part of the workload was not run")
-    if report_dir is not None:
-        stem = f"coverage-{ctx.name}-{client.name}-tp{ctx.tp}-{ctx.model.name}"
-        n = 1
-        while (report_dir / f"{stem}.json").exists():  # another config of the same API, TP size and model
-            n += 1
-            stem = f"coverage-{ctx.name}-{client.name}-tp{ctx.tp}-{ctx.model.name}-{n}"
-        coverage.write(report_dir, stem)
-    if coverage.failures:
-        raise AssertionError(failure_message(coverage, f"{ctx.name}: workload {workload.name!r}"))
-    missing = coverage.not_reached()
-    if missing:
-        raise AssertionError(f"{ctx.name}: workload {workload.name!r}: planned cells judged nothing: {missing}")
-    return coverage
+
+
+def _after_reload(ctx, workload: Workload, pool, send, vocab_size: int) -> None:
+    """Weight set b reloaded and sent the reload batches and the longest prefill (every bucket must serve the new
+    weights); weight set a reloaded back, whatever happened."""
+    client = ctx.client
+    assert client.reload_weights(ctx.model.b).success, f"{ctx.name}: reloading weight set b failed"
+    try:
+        for b in workload.reload_batches:
+            send(pool[:b], [Planned(f"after a reload of b: batch of {b}, prompt {i}", "b",
+                                    b * workload.short_length, b) for i in range(b)])
+        longest = max(workload.prefill_lengths)
+        prompt = workload.prompts(vocab_size, longest, 1, "prefill")[0]
+        send([prompt], [Planned(f"after a reload of b: prefill of {longest} tokens", "b", longest, 1)])
+    finally:
+        assert client.reload_weights(ctx.model.a).success, f"{ctx.name}: reloading weight set a back failed"
+
+
+def _write_coverage(ctx, coverage: Coverage, report_dir) -> None:
+    """The coverage map written next to the reports, under a name no other config of the same API, TP size and
+    model has taken."""
+    stem = f"coverage-{ctx.name}-{ctx.client.name}-tp{ctx.tp}-{ctx.model.name}"
+    n = 1
+    while (report_dir / f"{stem}.json").exists():  # another config of the same API, TP size and model
+        n += 1
+        stem = f"coverage-{ctx.name}-{ctx.client.name}-tp{ctx.tp}-{ctx.model.name}-{n}"
+    coverage.write(report_dir, stem)
 
 
 def _mixed(workload: Workload, pool, send, vocab_size: int) -> list:
