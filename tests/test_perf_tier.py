@@ -78,7 +78,7 @@ def test_measurements_and_report_section_on_cpu() -> None:
 
 
 def test_comma_separated_backends() -> None:
-    names = [b.name for b in load_backends("reference,tests.mutants.report_mutant:NoDecodeScaleMutant")]
+    names = [b.name for b in load_backends("reference,tests.framework.report_mutant:NoDecodeScaleMutant")]
     assert names == ["reference", "NoDecodeScaleMutant"]
     with pytest.raises(BackendLoadError, match="more than once"):
         load_backends("reference,reference")

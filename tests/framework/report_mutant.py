@@ -1,4 +1,4 @@
-"""A planted bug for the reporting/gating self-tests (tests/test_reports.py): a dense backend that forgets
+"""A planted bug for the reporting/gating self-tests (tests/framework/test_reports.py): a dense backend that forgets
 the weight decode scale ``weight_scale_2`` (alpha = 1), the kind of integration slip the gate must catch.
 Outputs come out about ``1 / weight_scale_2`` (~10^2..10^4) times too large, far outside any derived bound."""
 from __future__ import annotations

@@ -16,7 +16,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("reference_impl", "conformance", "fixtures")
 LOCAL = {"reference_impl", "conformance", "fixtures", "tests", "ci", "benchmarks", "examples", "paths_matrices"}
 #: import name -> why it may be missing (each only imported inside the function that needs it)

@@ -19,7 +19,7 @@ from conformance._framework.expectations import Expectation, ExpectationFileErro
 
 pytestmark = pytest.mark.integration  # starts servers or whole pytest runs (ci/time_tests.py times them apart)
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 GATE = REPO / "ci" / "run_conformance.py"
 
 PROBE_DENSE = '''

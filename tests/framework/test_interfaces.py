@@ -16,7 +16,7 @@ from conformance.interfaces.layer_code import LayerCodeEngine
 from conformance.interfaces.rules import RulesEngine
 from conformance.interfaces.server import ServerDialect
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("interface", [Backend, RulesEngine, LayerCodeEngine, ServerDialect], ids=lambda c: c.__name__)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 _LINT = ("import sys; from importlinter.cli import lint_imports; "
          "sys.exit(lint_imports(config_filename='pyproject.toml', no_cache=True, no_logo=True))")
 
@@ -53,7 +53,7 @@ def test_contracts_hold_on_this_tree():
 def test_a_planted_wrong_way_import_breaks_the_contracts(tmp_path, path, statement, contract):
     root = _copy(tmp_path)
     assert _lint(root).returncode == 0, "the copy must pass before the import is planted"
-    (root / path).write_text(f'"""Planted by tests/test_layering.py."""\n{statement}\n')
+    (root / path).write_text(f'"""Planted by tests/framework/test_layering.py."""\n{statement}\n')
     result = _lint(root)
     planted = path.removesuffix(".py").replace("/", ".")
     assert result.returncode != 0, f"{statement} in {path} broke no contract:\n{result.stdout}"

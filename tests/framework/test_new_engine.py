@@ -16,7 +16,7 @@ import pytest
 
 pytestmark = pytest.mark.integration  # whole pytest runs
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 FOLDER = {
     "__init__.py": '"""A stand-in engine: the whole of what a new engine adds (plus its row in plugin.py)."""\n',

@@ -17,7 +17,7 @@ import pytest
 
 from conformance._framework import data
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "fixtures"
 
 

@@ -1,5 +1,5 @@
 """The gate and its reports, end to end: the reference passes, a planted mutant
-(tests/mutants/report_mutant.py) fails the gate, the Markdown table shows the failure, each repro command
+(tests/framework/report_mutant.py) fails the gate, the Markdown table shows the failure, each repro command
 reruns exactly the failing case, and failing tests' tensors are saved as safetensors.
 
 Runs the real suite's dense module on a small subset (-k) through ci/run_conformance.py in a subprocess;
@@ -23,9 +23,9 @@ from conformance._framework.reporting import area_of, merge_summaries, render_ma
 
 pytestmark = pytest.mark.integration  # starts servers or whole pytest runs (ci/time_tests.py times them apart)
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 GATE = REPO / "ci" / "run_conformance.py"
-MUTANT = "tests.mutants.report_mutant:NoDecodeScaleMutant"
+MUTANT = "tests.framework.report_mutant:NoDecodeScaleMutant"
 # A small, fast slice of the dense module: the bound check on three small n=160 shapes.
 SUBSET = ["--tests", "conformance/dense/test_dense.py", "--", "-k",
           "matches_reference and (m1-n160 or m2-n160 or m3-n160)", "-q"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 _SNAPSHOT_NAME = re.compile(r"^(?P<function>[A-Za-z_][A-Za-z0-9_]*)(\[.*\])?\.")
 
 

@@ -102,7 +102,7 @@ def test_tier_skips_are_reported_at_the_test(tmp_path):
     tier = lacking[-1]
     test = tmp_path / "test_needs_tier.py"
     test.write_text(f"import pytest\n\n@pytest.mark.{tier}\ndef test_needs_tier():\n    pass\n")
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     r = subprocess.run([sys.executable, "-m", "pytest", str(test), "-p", "conformance.plugin", "-rs", "-q",
                         "-p", "no:cacheprovider", "--rootdir", str(tmp_path)], cwd=tmp_path, capture_output=True,
                        text=True, timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(repo)})
