@@ -6,7 +6,7 @@
   bf16, under several global scales;
 * a numpy/ml_dtypes formulation of the ModelOpt weight recipe.
 
-tests/test_format_mutants.py shows each of these checks reports a mismatch for a broken implementation.
+tests/format/test_format_mutants.py shows each of these checks reports a mismatch for a broken implementation.
 """
 from __future__ import annotations
 
