@@ -181,12 +181,7 @@ def fused_moe_w4a16(
         batches.sort(key=lambda b: rank[b.local_expert])
     weights = topk_weights.to(device=x.device, dtype=accum_dtype)
     for batch in batches:
-        key = (batch.local_expert, accum_dtype)
-        w = expert_cache.get(key) if expert_cache is not None else None
-        if w is None:
-            w = dequantize_expert(experts, batch.local_expert, accum_dtype)
-            if expert_cache is not None:
-                expert_cache[key] = w
+        w = _decoded_expert(experts, batch.local_expert, accum_dtype, expert_cache)
         xt = xa[batch.tokens]
         gate = matmul(xt, w.gate) * w.scale_gate
         up = matmul(xt, w.up) * w.scale_up if w.up is not None else None
@@ -200,6 +195,17 @@ def fused_moe_w4a16(
     for slot in range(1, rows.shape[1]):
         out += rows[:, slot]
     return out.to(out_dtype)
+
+
+def _decoded_expert(experts: NVFP4Experts, local_expert: int, dtype: torch.dtype, cache: dict | None):
+    """:func:`dequantize_expert`, kept in ``cache`` (keyed by expert and dtype) when the caller gives one."""
+    key = (local_expert, dtype)
+    w = cache.get(key) if cache is not None else None
+    if w is None:
+        w = dequantize_expert(experts, local_expert, dtype)
+        if cache is not None:
+            cache[key] = w
+    return w
 
 
 def _plain_matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -91,6 +91,33 @@ def _check_situ(act: ActivationType, situ_beta, situ_linear_beta) -> None:
     raise NotImplementedError("flashinfer_emulator does not model the SiTU activation")
 
 
+def _check_cute_dsl_config(act: ActivationType, quant_mode: str, output_dtype: torch.dtype,
+                           clamped_relu2_limit: Optional[torch.Tensor], situ_beta: Optional[float],
+                           situ_linear_beta: Optional[float]) -> None:
+    """The constructor's checks of ``CuteDslMoEWrapper``, in FlashInfer's order (the first failing one raises)."""
+    if act == ActivationType.ClampedRelu2:  # validate_cute_dsl_moe_clamped_relu2_config
+        if clamped_relu2_limit is None:
+            raise ValueError("ActivationType.ClampedRelu2 requires a one-element clamped_relu2_limit tensor")
+        if clamped_relu2_limit.ndim != 1 or clamped_relu2_limit.numel() != 1:
+            raise ValueError(
+                "ActivationType.ClampedRelu2 requires model-wide clamped_relu2_limit with shape (1,), "
+                f"got {tuple(clamped_relu2_limit.shape)}"
+            )
+    elif clamped_relu2_limit is not None:
+        raise ValueError("clamped_relu2_limit is supported only with ActivationType.ClampedRelu2")
+    _check_situ(act, situ_beta, situ_linear_beta)
+    if act == ActivationType.ClampedRelu2 and quant_mode == "w4a16":  # _check_clamped_relu2_supported
+        raise ValueError("ActivationType.ClampedRelu2 is not supported when quant_mode='w4a16'")
+    if quant_mode in ("w4a8", "mxfp8") and output_dtype is not torch.bfloat16:
+        raise ValueError(f"quant_mode={quant_mode!r} supports only bfloat16 output")
+    if quant_mode == "w4a16":  # tuner.py:CuteDslFusedMoEW4A16Runner.__init__
+        _normalize_activation(act, _W4A16_ACTIVATIONS, backend="W4A16")
+        if output_dtype != torch.bfloat16:
+            raise ValueError("W4A16 only supports BF16 output")
+    elif quant_mode not in _QUANT_MODES:
+        raise ValueError(f"quant_mode must be 'w4a4', 'w4a8', 'w4a16', or 'mxfp8' (got {quant_mode!r}).")
+
+
 class CuteDslMoEWrapper:
     """Emulates ``flashinfer.CuteDslMoEWrapper`` (same constructor and ``run`` signature)."""
 
@@ -126,19 +153,7 @@ class CuteDslMoEWrapper:
         if quant_mode == "nvfp4":
             warnings.warn("quant_mode='nvfp4' is deprecated; use quant_mode='w4a4' instead.", DeprecationWarning, 2)
             quant_mode = "w4a4"
-        if act == ActivationType.ClampedRelu2:  # validate_cute_dsl_moe_clamped_relu2_config
-            if clamped_relu2_limit is None:
-                raise ValueError("ActivationType.ClampedRelu2 requires a one-element clamped_relu2_limit tensor")
-            if clamped_relu2_limit.ndim != 1 or clamped_relu2_limit.numel() != 1:
-                raise ValueError(
-                    "ActivationType.ClampedRelu2 requires model-wide clamped_relu2_limit with shape (1,), "
-                    f"got {tuple(clamped_relu2_limit.shape)}"
-                )
-        elif clamped_relu2_limit is not None:
-            raise ValueError("clamped_relu2_limit is supported only with ActivationType.ClampedRelu2")
-        _check_situ(act, situ_beta, situ_linear_beta)
-        if act == ActivationType.ClampedRelu2 and quant_mode == "w4a16":  # _check_clamped_relu2_supported
-            raise ValueError("ActivationType.ClampedRelu2 is not supported when quant_mode='w4a16'")
+        _check_cute_dsl_config(act, quant_mode, output_dtype, clamped_relu2_limit, situ_beta, situ_linear_beta)
         self.num_experts = num_experts
         self.top_k = top_k
         self.hidden_size = hidden_size
@@ -155,14 +170,6 @@ class CuteDslMoEWrapper:
         self.use_fused_finalize = use_fused_finalize
         self.quant_mode = quant_mode
         self.swap_ab = swap_ab
-        if quant_mode in ("w4a8", "mxfp8") and output_dtype is not torch.bfloat16:
-            raise ValueError(f"quant_mode={quant_mode!r} supports only bfloat16 output")
-        if quant_mode == "w4a16":  # tuner.py:CuteDslFusedMoEW4A16Runner.__init__
-            _normalize_activation(act, _W4A16_ACTIVATIONS, backend="W4A16")
-            if output_dtype != torch.bfloat16:
-                raise ValueError("W4A16 only supports BF16 output")
-        elif quant_mode not in _QUANT_MODES:
-            raise ValueError(f"quant_mode must be 'w4a4', 'w4a8', 'w4a16', or 'mxfp8' (got {quant_mode!r}).")
 
     def run(
         self,

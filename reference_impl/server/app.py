@@ -144,10 +144,25 @@ class Scheduler:
 
 
 def create_app(scheduler: Scheduler, tokenizer, server_info: dict) -> FastAPI:
+    """The reference server's application: error handlers, SGLang's info and control endpoints, the native,
+    OpenAI and vLLM APIs, the request guard and the OpenAPI document."""
     app = FastAPI(title="NVFP4 W4A16 reference server")
-    engine = scheduler.rt.engine
-    cfg = engine.cfg
+    _install_error_handlers(app)
+    _register_info_routes(app, scheduler, server_info)
+    _register_control_routes(app, scheduler)
+    detok = Detokenizer(tokenizer, Path(server_info["tokenizer_path"]).parent)
+    native_api.register(app, scheduler, detok, scheduler.rt.engine.cfg)  # POST /generate
+    openai_api.register(app, scheduler, detok, server_info)  # /v1/models, /v1/completions
+    vllm_api.register(app, scheduler, server_info)  # vLLM's sleep / wake-up / reload endpoints
+    # outermost: the byte limit on what is read, Unicode, nesting and array bounds (reference_impl/server/guard.py)
+    app.add_middleware(RequestGuard, max_bytes=MAX_BODY_BYTES)
+    app.add_exception_handler(Exception, internal_error)
+    openapi.install(app)  # the document says what the server really answers (reference_impl/server/openapi.py)
+    return app
 
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """Refusals in this API's error shape (``{"error": ...}``), FastAPI's own included."""
     @app.exception_handler(BadRequest)
     async def bad_request(_request, exc: BadRequest):
         return JSONResponse({"error": str(exc)}, status_code=exc.status)
@@ -163,6 +178,12 @@ def create_app(scheduler: Scheduler, tokenizer, server_info: dict) -> FastAPI:
         problems = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()[:5])
         return JSONResponse({"error": f"invalid request: {problems} (send a JSON body with "
                                       f"content-type: application/json)"}, status_code=400)
+
+
+def _register_info_routes(app: FastAPI, scheduler: Scheduler, server_info: dict) -> None:
+    """Health, the running-request gauges and the model / server information endpoints."""
+    engine = scheduler.rt.engine
+    cfg = engine.cfg
 
     @app.get("/health")
     @app.get("/health_generate")
@@ -189,6 +210,9 @@ def create_app(scheduler: Scheduler, tokenizer, server_info: dict) -> FastAPI:
     async def server_info_route():
         return {"model_path": engine.model_path, **server_info["parallel"], "device": server_info["device"]}
 
+
+def _register_control_routes(app: FastAPI, scheduler: Scheduler) -> None:
+    """SGLang's control endpoints: reload weights from disk, release / resume memory, flush the cache."""
     @app.post("/update_weights_from_disk")
     async def update_weights(body: UpdateWeightsIn):
         ok, message = await scheduler.submit("update", body.model_path)
@@ -217,13 +241,3 @@ def create_app(scheduler: Scheduler, tokenizer, server_info: dict) -> FastAPI:
     async def flush_cache():
         await scheduler.submit("flush", None)
         return PlainTextResponse("Cache flushed.\n")
-
-    detok = Detokenizer(tokenizer, Path(server_info["tokenizer_path"]).parent)
-    native_api.register(app, scheduler, detok, cfg)  # POST /generate
-    openai_api.register(app, scheduler, detok, server_info)  # /v1/models, /v1/completions
-    vllm_api.register(app, scheduler, server_info)  # vLLM's sleep / wake-up / reload endpoints
-    # outermost: the byte limit on what is read, Unicode, nesting and array bounds (reference_impl/server/guard.py)
-    app.add_middleware(RequestGuard, max_bytes=MAX_BODY_BYTES)
-    app.add_exception_handler(Exception, internal_error)
-    openapi.install(app)  # the document says what the server really answers (reference_impl/server/openapi.py)
-    return app

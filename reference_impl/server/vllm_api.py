@@ -62,17 +62,17 @@ def vllm_error(message: str, status: int = 400, param: str | None = None) -> JSO
 
 
 def register(app: FastAPI, scheduler, server_info: dict) -> None:
-    engine = scheduler.rt.engine
-    ranks = int(server_info["parallel"].get("tp_size", 1))
-
-    async def command(kind: str, arg):
-        out = await scheduler.submit(kind, arg)
-        if isinstance(out, BaseException):  # an EngineError returned by the rank
-            raise BadRequest(str(out))
-        return out
-
+    """vLLM's development-mode endpoints on ``app`` (see the module docstring): pausing, sleep and wake-up,
+    and ``reload_weights`` through ``/collective_rpc``."""
     paused = PauseState()
+    pause = _register_pause(app, scheduler, paused)
+    _register_sleep(app, scheduler, paused, pause)
+    _register_rpc(app, scheduler, int(server_info["parallel"].get("tp_size", 1)))
 
+
+def _register_pause(app: FastAPI, scheduler, paused: PauseState):
+    """``/pause``, ``/resume``, ``/is_paused`` and the middleware holding generation while paused; returns the
+    coroutine function that pauses (``/sleep`` pauses too)."""
     @app.middleware("http")
     async def hold_while_paused(request: Request, call_next):
         if paused.mode is not None and request.method == "POST" and request.url.path in GENERATION_PATHS:
@@ -100,6 +100,19 @@ def register(app: FastAPI, scheduler, server_info: dict) -> None:
     @app.get("/is_paused")
     async def is_paused():
         return {"is_paused": paused.mode is not None}
+
+    return pause
+
+
+def _register_sleep(app: FastAPI, scheduler, paused: PauseState, pause) -> None:
+    """``/sleep``, ``/wake_up``, ``/is_sleeping`` and ``/reset_prefix_cache``."""
+    engine = scheduler.rt.engine
+
+    async def command(kind: str, arg):
+        out = await scheduler.submit(kind, arg)
+        if isinstance(out, BaseException):  # an EngineError returned by the rank
+            raise BadRequest(str(out))
+        return out
 
     @app.post("/sleep")
     async def sleep(level: int = Query(1, ge=0, le=2), mode: str = Query("abort")):
@@ -131,35 +144,50 @@ def register(app: FastAPI, scheduler, server_info: dict) -> None:
         await scheduler.submit("flush", None)
         return {"success": True}
 
+
+def _register_rpc(app: FastAPI, scheduler, ranks: int) -> None:
+    """``/collective_rpc``: ``reload_weights`` only, one ``null`` result per rank."""
+    engine = scheduler.rt.engine
+
     @app.post("/collective_rpc")
     async def collective_rpc(raw: Request):
         try:
             body = await raw.json()
         except ValueError as exc:
             return vllm_error(f"JSON decode error: {exc}")
-        if not isinstance(body, dict):
-            return vllm_error("Request body must be a JSON object")
-        method = body.get("method")
-        if method is None:
-            return vllm_error("Missing 'method' in request body", param="method")
-        if method not in RPC_METHODS:
-            return vllm_error(f"method {method!r} is not available on the reference server; supported: "
-                              f"{list(RPC_METHODS)}", param="method")
-        kwargs, args = body.get("kwargs") or {}, body.get("args") or []
-        if not isinstance(kwargs, dict):
-            return vllm_error(f"kwargs must be a JSON object of keyword arguments, got {type(kwargs).__name__} "
-                              f"{str(kwargs)[:80]}", param="kwargs")
-        if not isinstance(args, list):
-            return vllm_error(f"args must be a JSON array, got {type(args).__name__}", param="args")
-        extra = sorted(set(kwargs) - {"weights_path", "is_checkpoint_format"})
-        if args or extra or kwargs.get("is_checkpoint_format", True) is not True:
-            return vllm_error("reload_weights on the reference server takes kwargs weights_path (a checkpoint "
-                              "directory; default: the one being served) and is_checkpoint_format=true only; "
-                              f"got args={args!r}, kwargs={kwargs!r}", param="kwargs")
-        path = kwargs.get("weights_path") or engine.model_path
-        if not isinstance(path, str):
-            return vllm_error(f"weights_path must be a string, got {path!r}", param="kwargs")
+        path = _reload_weights_path(body, engine.model_path)
+        if isinstance(path, JSONResponse):
+            return path
         ok, message = await scheduler.submit("update", path)
         if not ok:
             return vllm_error(message)
         return {"results": [None] * ranks}
+
+
+def _reload_weights_path(body, default_path: str) -> str | JSONResponse:
+    """The checkpoint a ``/collective_rpc`` body asks ``reload_weights`` to load, or the 400 error refusing it
+    (not a JSON object, no method or another one, arguments other than ``weights_path`` and
+    ``is_checkpoint_format=true``)."""
+    if not isinstance(body, dict):
+        return vllm_error("Request body must be a JSON object")
+    method = body.get("method")
+    if method is None:
+        return vllm_error("Missing 'method' in request body", param="method")
+    if method not in RPC_METHODS:
+        return vllm_error(f"method {method!r} is not available on the reference server; supported: "
+                          f"{list(RPC_METHODS)}", param="method")
+    kwargs, args = body.get("kwargs") or {}, body.get("args") or []
+    if not isinstance(kwargs, dict):
+        return vllm_error(f"kwargs must be a JSON object of keyword arguments, got {type(kwargs).__name__} "
+                          f"{str(kwargs)[:80]}", param="kwargs")
+    if not isinstance(args, list):
+        return vllm_error(f"args must be a JSON array, got {type(args).__name__}", param="args")
+    extra = sorted(set(kwargs) - {"weights_path", "is_checkpoint_format"})
+    if args or extra or kwargs.get("is_checkpoint_format", True) is not True:
+        return vllm_error("reload_weights on the reference server takes kwargs weights_path (a checkpoint "
+                          "directory; default: the one being served) and is_checkpoint_format=true only; "
+                          f"got args={args!r}, kwargs={kwargs!r}", param="kwargs")
+    path = kwargs.get("weights_path") or default_path
+    if not isinstance(path, str):
+        return vllm_error(f"weights_path must be a string, got {path!r}", param="kwargs")
+    return path
