@@ -7,7 +7,7 @@ import importlib
 
 pytest_plugins = [
     "conformance._framework.tier_markers",
-    "conformance._framework.backend_option",
+    "conformance._framework.selection_plugin",
     "conformance.rules.plugin",
     "conformance._framework.snapshot_fixture",
     "conformance._framework.expectations",

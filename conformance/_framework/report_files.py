@@ -18,7 +18,7 @@ import pytest
 from conformance import __version__
 from conformance._framework import reporting
 from conformance._framework.backend_capture import capture_backend_calls as _capture_backend_calls
-from conformance._framework.backend_option import backends_of
+from conformance._framework.selection_plugin import backends_of, selected
 from conformance._framework.selection import backend_spec_from_env
 from conformance._framework.reporting import Artifacts, TestRecord, area_of, gate_failures, render_markdown
 from conformance._framework.tiers import TIERS, b200_emulated, detect_hardware, tier_skip_reason
@@ -255,7 +255,7 @@ class _RunState:
         summary = {
             "suite_version": __version__,
             "generated_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "backend_spec": backend_spec_from_env(self.config.getoption("--backend")),
+            "backend_spec": selected(self.config).backend,
             "backends": self.backends(),
             "hardware": hw.describe(),
             "tiers": {"run": tiers_run, "skipped": tiers_skipped,

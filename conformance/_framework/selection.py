@@ -95,11 +95,14 @@ OPTIONS: dict[str, Option] = {o.flag: o for o in (
     Option("--engine", "NVFP4_CONFORMANCE_ENGINE", {"rules": "reference", "layer_code": "sglang"},
            aliases=("NVFP4_HARNESS_ENGINE",)),
     Option("--server-api", "NVFP4_CONFORMANCE_SERVER_API", {"server": "sglang"}),
+    # no default of its own: the rules profile follows the engine (its row's rules_profile) unless named
+    Option("--rules-profile", "NVFP4_RULES_PROFILE", {}),
 )}
 
 
 class SelectionError(RuntimeError):
-    """An option names nothing that can be loaded (unknown name, import error, wrong kind): a usage error."""
+    """An option names nothing that can be loaded (unknown name, import error, wrong kind): a usage error. The one
+    error type of selection (:class:`NotImplementedHere` refines it into a skip)."""
 
 
 class NotImplementedHere(SelectionError):
@@ -107,13 +110,13 @@ class NotImplementedHere(SelectionError):
     RulesEngine, for the layer-code tests): that interface's tests skip with this reason."""
 
 
-class EngineLoadError(SelectionError):
-    """``--engine`` names nothing that can be loaded as the interface asked for (a usage error)."""
+#: 0.2's names of the one error type (``--engine`` / ``--backend`` naming nothing loadable)
+EngineLoadError = SelectionError
 
 
-def option_value(flag: str, cli_value: str | None, interface: str) -> str:
+def option_value(flag: str, cli_value: str | None, interface: str) -> str | None:
     """What ``flag`` selects for ``interface``: the command line, else its environment variable (or a
-    deprecated alias, with a DeprecationWarning), else the option's default for that interface."""
+    deprecated alias, with a DeprecationWarning), else the option's default for that interface (None: none)."""
     opt = OPTIONS[flag]
     if cli_value:
         return cli_value
@@ -124,7 +127,7 @@ def option_value(flag: str, cli_value: str | None, interface: str) -> str:
             warnings.warn(f"${alias} is deprecated: set ${opt.env} (it selects {flag} for every interface)",
                           DeprecationWarning, stacklevel=2)
             return os.environ[alias]
-    return opt.defaults[interface]
+    return opt.defaults.get(interface)
 
 
 def target_of(name: str, interface: str) -> str:
@@ -192,8 +195,7 @@ def builtin_backends() -> dict[str, str]:
     return {n: target_of(n, "kernel") for n in names_for("kernel")}
 
 
-class BackendLoadError(SelectionError):
-    """The backend named on the command line could not be imported or built."""
+BackendLoadError = SelectionError
 
 
 def backend_spec_from_env(cli_value: str | None) -> str:

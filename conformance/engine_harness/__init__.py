@@ -40,7 +40,7 @@ def load_layer_code_engine(spec: str | None = None):
         obj = selection.import_target(target)
     except selection.SelectionError as exc:
         raise EngineLoadError(f"cannot load engine adapter {target!r}: {exc}") from exc
-    adapter = obj() if isinstance(obj, type) else obj
+    adapter = selection.instantiate(obj, "layer_code")
     if not isinstance(adapter, LayerCodeEngine):
         raise NotALayerCodeEngine(f"{target} is not a LayerCodeEngine (conformance.interfaces.layer_code): "
                                   f"the engine-harness tests have nothing to run")

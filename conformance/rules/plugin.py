@@ -1,8 +1,8 @@
 """The ``rules_engine`` fixture: which engine's configuration/guard rules are under test; ``rules_profile``:
 which rules profile's expected outcomes they are judged by; ``rules_check``: run one matrix case.
 
-Selected by ``--engine NAME|module:attr`` (the option is shared with the integration harness plugin, which
-registers it: ``--engine sglang`` runs both against SGLang) or ``$NVFP4_CONFORMANCE_ENGINE``; default
+Selected by ``--engine NAME|module:attr`` (the one selection plugin registers it, for the rules and the
+integration harness alike: ``--engine sglang`` runs both against SGLang) or ``$NVFP4_CONFORMANCE_ENGINE``; default
 ``reference``. A ``module:attr`` that is not a RulesEngine (e.g. a harness LayerCodeEngine) skips the rule cases.
 The profile: ``--rules-profile NAME`` or ``$NVFP4_RULES_PROFILE``, default sglang-0.5.23 (vllm-0.32 for ``--engine vllm``)
 (fixtures/config_rules/profiles/). Each rule case records the engine (with its version) and the profile for
@@ -10,31 +10,21 @@ the report (``--report-dir``).
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import pytest
 
-from conformance.rules import ENGINE_DEFAULT_PROFILES, EngineLoadError, EngineUnavailable, engine_spec, load_rules_engine
+from conformance._framework.selection_plugin import selected
+from conformance.rules import ENGINE_DEFAULT_PROFILES, EngineLoadError, EngineUnavailable, load_rules_engine
 from conformance.rules.matrix import DEFAULT_PROFILE, RuleCase, check_case, load_profile, profile_names
 
-PROFILE_ENV_VAR = "NVFP4_RULES_PROFILE"
-
-
-def pytest_addoption(parser: pytest.Parser) -> None:
-    group = parser.getgroup("nvfp4", "NVFP4 W4A16 conformance")
-    group.addoption(
-        "--rules-profile",
-        default=None,
-        help=f"rules profile whose expected outcomes the rule matrices use: {', '.join(profile_names())} "
-        f"(default: ${PROFILE_ENV_VAR} or {DEFAULT_PROFILE})",
-    )
+PROFILE_ENV_VAR = "NVFP4_RULES_PROFILE"  # the option and its variable: conformance/_framework/selection_plugin.py
 
 
 @pytest.fixture(scope="session")
 def rules_profile(pytestconfig: pytest.Config) -> str:
-    default = ENGINE_DEFAULT_PROFILES.get(engine_spec(pytestconfig.getoption("--engine", default=None)), DEFAULT_PROFILE)
-    name = pytestconfig.getoption("--rules-profile") or os.environ.get(PROFILE_ENV_VAR) or default
+    chosen = selected(pytestconfig)
+    name = chosen.rules_profile or ENGINE_DEFAULT_PROFILES.get(chosen.engine_for("rules"), DEFAULT_PROFILE)
     try:
         load_profile(name)
     except ValueError as exc:
@@ -46,8 +36,8 @@ def rules_profile(pytestconfig: pytest.Config) -> str:
 def rules_engine(request: pytest.FixtureRequest, rules_profile: str):
     """The engine under test, built once (importing SGLang takes tens of seconds) and told the profile;
     skips every rule case with the reason when the engine cannot run here (e.g. SGLang not installed)."""
-    requested = request.config.getoption("--engine", default=None)
-    spec = engine_spec(requested)
+    chosen = selected(request.config)
+    requested, spec = chosen.engine_named, chosen.engine_for("rules")
     try:
         engine = load_rules_engine(spec)
     except EngineUnavailable as exc:

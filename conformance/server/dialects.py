@@ -45,9 +45,21 @@ DIALECTS: dict[str, type[ServerDialect]] = _dialects()
 SGLangDialect, OpenAIDialect, VLLMDialect = DIALECTS["sglang"], DIALECTS["openai"], DIALECTS["vllm"]
 
 
-def make_dialect(name: str, base_url: str, deadline: Deadline | None = None, max_request_s: float = 60.0) -> ServerDialect:
+def dialect_class(name: str) -> type[ServerDialect]:
+    """The dialect ``name`` selects: a built-in API name or ``module:attr`` naming a :class:`ServerDialect`
+    subclass (:class:`ValueError` naming the known APIs otherwise)."""
+    if name in DIALECTS:
+        return DIALECTS[name]
+    if ":" not in name:
+        raise ValueError(f"unknown server API {name!r}; known: {sorted(DIALECTS)}, or module:attr")
     try:
-        cls = DIALECTS[name]
-    except KeyError:
-        raise ValueError(f"unknown server API {name!r}; known: {sorted(DIALECTS)}") from None
-    return cls(base_url, deadline, max_request_s)
+        cls = selection.import_target(name)
+    except selection.SelectionError as exc:
+        raise ValueError(f"server API {name!r}: {exc}") from exc
+    if not (isinstance(cls, type) and issubclass(cls, ServerDialect)):
+        raise ValueError(f"server API {name!r} is {cls!r}, not a conformance.interfaces.server.ServerDialect subclass")
+    return cls
+
+
+def make_dialect(name: str, base_url: str, deadline: Deadline | None = None, max_request_s: float = 60.0) -> ServerDialect:
+    return dialect_class(name)(base_url, deadline, max_request_s)

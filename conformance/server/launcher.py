@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from conformance.server.dialects import DIALECTS, make_dialect
+from conformance.server.dialects import DIALECTS, dialect_class, make_dialect
 
 REFERENCE_TEMPLATE = ("{python} -m reference_impl.server --model-path {model_path} --tokenizer-path {tokenizer_path} "
                       "--port {port} --tp {tp} --dp {dp} --ep {ep} --device {device}")
@@ -81,7 +81,7 @@ class ServerProcess:
                                                dir=log_dir, delete=False)
         self.failed = False  # keep the log: it is quoted in a failure
         extra = dict(env or {})
-        env = {**DIALECTS[api].launch_env, **os.environ}  # the user's environment wins
+        env = {**dialect_class(api).launch_env, **os.environ}  # the user's environment wins
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [extra.pop("PYTHONPATH", None), str(REPO_ROOT),
                                                           env.get("PYTHONPATH")]))
         env.update(extra)

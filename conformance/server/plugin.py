@@ -25,9 +25,10 @@ import warnings
 import pytest
 
 from conformance._framework import selection
+from conformance._framework.selection_plugin import selected
 from conformance.server.configs import ServerConfig, parse_configs, reference_configs
 from conformance.server.launcher import REFERENCE_TEMPLATE, ServerProcess, ServerStartError
-from conformance.server.dialects import DIALECTS, ServerDialect, make_dialect
+from conformance.server.dialects import DIALECTS, ServerDialect, dialect_class, make_dialect
 from conformance.server.models import (DEFAULT_MODELS, SERVED_WEIGHTS, ModelCatalog, ModelError, ServedModel,
                                       remove_work_dir, work_dir)
 from conformance.server.scenarios import SCENARIOS, Scenario, calibrate, fresh_outputs, run_scenario, workload_scenario
@@ -43,11 +44,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help="command template starting the server under test; placeholders {python} {model_path} "
                      "{port} {tp} {dp} {ep} {device} (default: the reference server)")
     g.addoption("--server-url", default=None, help="attach to a running server (127.0.0.1 only) instead")
-    g.addoption("--server-api", default=selection.option_value("--server-api", None, "server"),
-                metavar="|".join(DIALECTS),
-                help=f"the API the scenarios speak (the selection table's server column; default "
-                     f"{selection.OPTIONS['--server-api'].defaults['server']}, or ${SERVER_API_ENV}); a comma-separated list runs the scenarios through each, on the same "
-                     f"servers; scenarios needing an endpoint the API lacks skip with the reason")
     g.addoption("--server-model-path", default=None,
                 help="with --server-url: the fixture checkpoint (<family>-a) it serves (default: from /get_model_info)")
     g.addoption("--server-models", default=",".join(DEFAULT_MODELS),
@@ -95,10 +91,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     apis = server_apis(config)
-    unknown = [a for a in apis if a not in DIALECTS]
-    if unknown or not apis or len(set(apis)) != len(apis):
-        raise pytest.UsageError(f"--server-api {config.getoption('--server-api')!r} (or ${SERVER_API_ENV}): "
-                                f"known APIs: {', '.join(DIALECTS)} (one, or a comma-separated list without repeats)")
+    problems = []
+    for api in apis:
+        try:
+            dialect_class(api)
+        except ValueError as exc:
+            problems.append(str(exc))
+    if problems or not apis or len(set(apis)) != len(apis):
+        raise pytest.UsageError(f"--server-api {','.join(apis)!r} (or ${SERVER_API_ENV}): known APIs: "
+                                f"{', '.join(DIALECTS)} or module:attr (one, or a comma-separated list without "
+                                f"repeats)" + "".join(f"; {p}" for p in problems))
     config.addinivalue_line("markers", "batch_invariance: needs batch-size invariant logprobs (not every engine promises it)")
     config.addinivalue_line("markers", "workload: the --workload scenario (every position judged, per token-count bucket)")
     config.addinivalue_line("markers", "server_scenario: starts or attaches to an inference server")
@@ -126,7 +128,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def server_apis(config: pytest.Config) -> list[str]:
-    return [a.strip() for a in config.getoption("--server-api").split(",") if a.strip()]
+    return list(selected(config).server_apis)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -329,11 +331,11 @@ class ServerPool:
         unless the environment has it."""
         env: dict[str, str] = {}
         for api in self.apis[1:]:
-            env.update({k: v for k, v in DIALECTS[api].launch_env.items() if k not in os.environ})
+            env.update({k: v for k, v in dialect_class(api).launch_env.items() if k not in os.environ})
         return env
 
     def run(self, case: ServerCase, record_property=None) -> None:
-        reason = case.scenario.skip_reason(DIALECTS[case.api])
+        reason = case.scenario.skip_reason(dialect_class(case.api))
         if reason:  # before starting a server for it
             pytest.skip(reason)
         model = self.model(case.model)
