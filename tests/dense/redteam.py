@@ -1,6 +1,6 @@
-"""Red-team dense W4A16 backends, written from the adapter interface alone (not from tests/mutants/): the broken
+"""Red-team dense W4A16 backends, written from the adapter interface alone (not from tests/dense/mutants.py): the broken
 ones (numeric and format slips real kernels make) the suite must reject; the correct-but-different ones it must
-accept are in tests/redteam_dense_ok.py.
+accept are in tests/dense/redteam_ok.py.
 
 Every backend here decodes the checkpoint itself (its own E2M1 table and nibble order), so a bug in
 reference_impl's decoder cannot make a mutant and the reference agree. Arithmetic is emulated exactly: the

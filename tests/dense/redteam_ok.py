@@ -1,10 +1,10 @@
-"""Correct-but-different dense W4A16 backends (red team, tests/redteam_dense.py): other summation orders and
+"""Correct-but-different dense W4A16 backends (red team, tests/dense/redteam.py): other summation orders and
 precisions, weights or AWQ inputs rounded as the contract allows. The suite must accept every one."""
 from __future__ import annotations
 
 import torch
 
-from .redteam_dense import (
+from .redteam import (
     DenseRedTeam,
     block_scales,
     decode_codes,

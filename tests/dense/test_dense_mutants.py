@@ -19,10 +19,10 @@ from conformance.dense.checks import (
 )
 from conformance.dense.cases import CPU_CASES
 from conformance.dense.diagnosis import PATTERNS, RULES, diagnose_dense_cases, diagnose_run
-from tests.mutants.dense import (MUTANTS, VARIANTS, GlobalScaleDoubled, GlobalScaleDropped, NibbleSwapped,
+from tests.dense.mutants import (MUTANTS, VARIANTS, GlobalScaleDoubled, GlobalScaleDropped, NibbleSwapped,
                                  pattern_probe_cases)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_every_mutant_names_a_real_check():
@@ -76,7 +76,7 @@ def test_correct_variant_is_accepted(variant, record_property):
 
 def test_backend_option_runs_a_mutant_end_to_end():
     cmd = [sys.executable, "-m", "pytest", "conformance/dense/test_dense.py", "-m", "cpu", "-q", "-x",
-           "-p", "no:cacheprovider", "--backend", "tests.mutants.dense:NibbleSwapped"]
+           "-p", "no:cacheprovider", "--backend", "tests.dense.mutants:NibbleSwapped"]
     env = {k: v for k, v in os.environ.items() if k != "NVFP4_CONFORMANCE_BACKEND"}
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 1, f"expected test failures (exit 1), got {done.returncode}:\n{done.stdout}\n{done.stderr}"
@@ -110,7 +110,7 @@ def _names(mutant) -> tuple[str, ...]:
 
 
 def test_every_rule_and_pattern_has_a_mutant_or_red_team_backend():
-    from tests.test_redteam_variants import DENSE_DIAGNOSED, DENSE_PATTERNS
+    from tests.dense.test_dense_redteam import DENSE_DIAGNOSED, DENSE_PATTERNS
 
     shown = {n for m in DIAGNOSED for n in _names(m)} | {r for _, _, r in DENSE_DIAGNOSED} | {p for _, p in DENSE_PATTERNS}
     declared = {r.name for r in RULES} | {p.name for p in PATTERNS}
@@ -191,7 +191,7 @@ def test_golden_comparison_failures_are_diagnosed(tmp_path):
     import sys
 
     r = subprocess.run([sys.executable, "-m", "pytest", "conformance/dense/test_dense_golden.py", "-q", "-p",
-                        "no:cacheprovider", "-n", "0", "--backend", "tests.mutants.dense:GlobalScaleDropped",
+                        "no:cacheprovider", "-n", "0", "--backend", "tests.dense.mutants:GlobalScaleDropped",
                         "-k", "cpu", f"--junitxml={tmp_path / 'r.xml'}"], cwd=REPO, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 1, r.stdout[-2000:]

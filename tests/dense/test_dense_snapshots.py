@@ -41,7 +41,7 @@ def test_golden_check_accepts_the_reference_and_rejects_a_mutant():
     a backend reading the nibbles swapped is not."""
     from conformance.adapters.reference.kernel import ReferenceBackend
     from conformance.dense.golden import check_dense_golden
-    from tests.mutants.dense import NibbleSwapped
+    from tests.dense.mutants import NibbleSwapped
 
     for case in (c for c in CPU_CASES if c.id in CANONICAL):
         assert check_dense_golden(ReferenceBackend(), case).bound_ratio <= 1.0

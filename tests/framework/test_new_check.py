@@ -19,7 +19,7 @@ NEW_CHECK = textwrap.dedent('''
     import torch
 
     from conformance._framework.checks import check
-    from tests.mutants.dense import PlainDense
+    from tests.dense.mutants import PlainDense
 
 
     @check("dense")

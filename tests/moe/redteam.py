@@ -1,7 +1,7 @@
-"""Red-team fused-MoE W4A16 backends, written from the adapter interface alone (not from tests/mutants/):
+"""Red-team fused-MoE W4A16 backends, written from the adapter interface alone (not from tests/moe/mutants.py):
 routing-input slips (duplicate ids, -1 slots, EP ownership, state left between calls) and activation slips the
-suite must reject; the correct-but-different MoEs it must accept are in tests/redteam_moe_ok.py.
-Each decodes the checkpoint itself (tests/redteam_dense.decode_codes)."""
+suite must reject; the correct-but-different MoEs it must accept are in tests/moe/redteam_ok.py.
+Each decodes the checkpoint itself (tests/dense/redteam.decode_codes)."""
 from __future__ import annotations
 
 import math
@@ -12,7 +12,7 @@ import torch
 
 from conformance.interfaces.kernel import Backend, MoEExperts
 
-from .redteam_dense import block_scales, decode_codes
+from tests.dense.redteam import block_scales, decode_codes
 
 
 def _decode(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,10 @@
-"""Correct-but-different fused-MoE backends (red team, tests/redteam_moe.py): other expert orders, routing
+"""Correct-but-different fused-MoE backends (red team, tests/moe/redteam.py): other expert orders, routing
 matrices, precisions and a grouped GEMM. The suite must accept every one."""
 from __future__ import annotations
 
 import torch
 
-from .redteam_moe import DenseMaskScatter, MoERedTeam
+from .redteam import DenseMaskScatter, MoERedTeam
 
 
 class ReverseExpertOrder(MoERedTeam):

@@ -20,7 +20,7 @@ from conformance.moe.checks import (
     run_moe_case,
 )
 from conformance.moe.cases import MOE_CASES, MoECase
-from tests.mutants.moe import MUTANTS, VARIANTS, InputScaleFoldedIntoAlpha, KernelLayoutMoE
+from tests.moe.mutants import MUTANTS, VARIANTS, InputScaleFoldedIntoAlpha, KernelLayoutMoE
 
 CPU_CASES = {c.id: c for c in MOE_CASES if c.tier == "cpu"}
 #: Small cases that together exercise every mutant's bug: I = 192 (64-row chunks matter), top-2 weights,
@@ -112,7 +112,7 @@ def test_summary_figures_check_can_fail() -> None:
 
 
 def test_failure_report_names_inputs_and_worst_element() -> None:
-    from tests.mutants.moe import RoutingWeightsIgnored
+    from tests.moe.mutants import RoutingWeightsIgnored
 
     with pytest.raises(AssertionError) as info:
         check_moe_within_bound(run_moe_case(RoutingWeightsIgnored(), CPU_CASES["t7_e8_k2_h192_i192"]))
@@ -130,7 +130,7 @@ def test_output_contract_check_accepts_reference_shape() -> None:
 def test_at_real_sizes_summary_figures_reject_what_the_loose_bound_lets_through() -> None:
     """Hidden 4096 / intermediate 1536: the worst-case bound exceeds |y| (see bounds_moe), so a structural
     bug can pass ``moe_within_bound``; FlashInfer's summary thresholds still reject it."""
-    from tests.mutants.moe import ActivationOnUpHalf
+    from tests.moe.mutants import ActivationOnUpHalf
 
     case = MoECase("real_size_probe", "cpu", 8, 4, 2, 4096, 1536)
     run = run_moe_case(ActivationOnUpHalf(), case)
@@ -154,7 +154,7 @@ def _names(mutant) -> tuple[str, ...]:
 
 def test_every_moe_rule_and_pattern_has_a_mutant_or_red_team_backend() -> None:
     from conformance.moe.diagnosis import PATTERNS, RULES
-    from tests.test_redteam_variants import MOE_DIAGNOSED
+    from tests.moe.test_moe_redteam import MOE_DIAGNOSED
 
     shown = {n for m in DIAGNOSED for n in _names(m)} | {r for _, _, r in MOE_DIAGNOSED}
     declared = {r.name for r in RULES} | {p.name for p in PATTERNS}
