@@ -20,6 +20,42 @@ from conformance.interfaces.standin import StandIn
 from conformance.interfaces.kernel import DenseLayer, MoEExperts
 
 Mode = Literal["w4a16", "w4a4"]
+#: Fused-QKV cases use heads this wide: each shard's rows are a whole number of them.
+QKV_HEAD = 32
+
+
+def qkv_heads(shard_sizes: tuple[int, ...] | list[int]) -> tuple[int, int]:
+    """``(query heads, key/value heads)`` of fused QKV shards ``(q_rows, k_rows, v_rows)`` of :data:`QKV_HEAD`-wide
+    heads; ValueError unless each is whole heads and the key and value shards match."""
+    q_rows, k_rows, v_rows = shard_sizes
+    if k_rows != v_rows or q_rows % QKV_HEAD or k_rows % QKV_HEAD:
+        raise ValueError(f"fused QKV shards {tuple(shard_sizes)} are not whole {QKV_HEAD}-wide heads")
+    return q_rows // QKV_HEAD, k_rows // QKV_HEAD
+
+
+def load_dense_shards(layer: Any, ckpt: DenseLayer, shard_ids: tuple, *, pre_quant_scale: bool = True) -> None:
+    """Per fused shard, the checkpoint tensors ``weight``, ``weight_scale`` (and ``bias``) rows, ``weight_scale_2``
+    and ``input_scale`` (0-d, as ModelOpt exports them) and, with ``pre_quant_scale``, ``pre_quant_scale``, fed
+    through each of ``layer``'s parameters' ``weight_loader`` as the engines' model ``load_weights`` call them:
+    ``loader(param, tensor, shard_id)``, or ``loader(param, tensor)`` for a shard id None (an unfused layer)."""
+    start = 0
+    for i, (rows, shard) in enumerate(zip(ckpt.shard_sizes, shard_ids)):
+        tensors = {
+            "weight": ckpt.weight[start : start + rows],
+            "weight_scale": ckpt.weight_scale[start : start + rows],
+            "weight_scale_2": ckpt.weight_scale_2[i].reshape(()),
+        }
+        if ckpt.input_scale is not None:
+            tensors["input_scale"] = ckpt.input_scale[i].reshape(())
+        if pre_quant_scale and ckpt.pre_quant_scale is not None:
+            tensors["pre_quant_scale"] = ckpt.pre_quant_scale
+        if ckpt.bias is not None:
+            tensors["bias"] = ckpt.bias[start : start + rows]
+        for name, t in tensors.items():
+            param = getattr(layer, name)
+            loader = param.weight_loader
+            loader(param, t.clone(), shard) if shard is not None else loader(param, t.clone())
+        start += rows
 
 
 @dataclass(frozen=True)

@@ -20,12 +20,13 @@ from typing import Any
 import torch
 
 from conformance.interfaces.kernel import DenseLayer
-from conformance.interfaces.layer_code import LayerCodeEngine, MoECheckpoint, Mode
+from conformance.interfaces.layer_code import (QKV_HEAD, LayerCodeEngine, MoECheckpoint, Mode, load_dense_shards,
+                                               qkv_heads)
 from conformance.interfaces.standin import AttrPatch, StandIn
 
 W4A16_ENV = "SGLANG_FLASHINFER_CUTEDSL_NVFP4_W4A16"
 TESTED_VERSION = "0.5.23"
-_QKV_HEAD = 32  # fused-QKV cases use 32-wide heads: shard rows = heads * 32
+_QKV_HEAD = QKV_HEAD  # fused-QKV cases use 32-wide heads: shard rows = heads * 32
 
 
 class SGLangStandIn(StandIn):
@@ -200,10 +201,8 @@ class SGLangLayerCode(LayerCodeEngine):
         k, n = ckpt.in_features, ckpt.out_features
         bias = ckpt.bias is not None
         if len(ckpt.shard_sizes) == 3:
-            q_rows, k_rows, v_rows = ckpt.shard_sizes
-            if k_rows != v_rows or q_rows % _QKV_HEAD or k_rows % _QKV_HEAD:
-                raise ValueError(f"fused QKV shards {ckpt.shard_sizes} are not whole {_QKV_HEAD}-wide heads")
-            layer = QKVParallelLinear(k, _QKV_HEAD, q_rows // _QKV_HEAD, k_rows // _QKV_HEAD, bias=bias,
+            q_heads, kv_heads = qkv_heads(ckpt.shard_sizes)
+            layer = QKVParallelLinear(k, _QKV_HEAD, q_heads, kv_heads, bias=bias,
                                       params_dtype=torch.bfloat16, quant_config=qc, prefix="model.layers.0.self_attn.qkv_proj",
                                       parallel_group="replicated")
             layer._harness_shards = ("q", "k", "v")
@@ -220,24 +219,7 @@ class SGLangLayerCode(LayerCodeEngine):
         """Per shard, the checkpoint tensors ``weight``, ``weight_scale``, ``weight_scale_2`` (0-d),
         ``input_scale`` (0-d), ``pre_quant_scale`` through each parameter's ``weight_loader``, as SGLang's
         model ``load_weights`` does (``weight_loader(param, tensor[, shard_id])``)."""
-        start = 0
-        for i, (rows, shard) in enumerate(zip(ckpt.shard_sizes, layer._harness_shards)):
-            tensors = {
-                "weight": ckpt.weight[start : start + rows],
-                "weight_scale": ckpt.weight_scale[start : start + rows],
-                "weight_scale_2": ckpt.weight_scale_2[i].reshape(()),
-            }
-            if ckpt.input_scale is not None:
-                tensors["input_scale"] = ckpt.input_scale[i].reshape(())
-            if ckpt.pre_quant_scale is not None:
-                tensors["pre_quant_scale"] = ckpt.pre_quant_scale
-            if ckpt.bias is not None:
-                tensors["bias"] = ckpt.bias[start : start + rows]
-            for name, t in tensors.items():
-                param = getattr(layer, name)
-                loader = getattr(param, "weight_loader")
-                loader(param, t.clone(), shard) if shard is not None else loader(param, t.clone())
-            start += rows
+        load_dense_shards(layer, ckpt, layer._harness_shards)
 
     def forward_dense(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
         out = layer(x)
