@@ -1,11 +1,12 @@
-"""Where the suite's shipped data is: the ``fixtures`` package (the repository's fixtures/ directory, which
-``pip install .`` installs with its data files), found by import through :mod:`importlib.resources`. A clone, an
+"""Where the suite's shipped data is: the repository's fixtures/ directory, which ``pip install .`` installs with its
+data files as the package ``nvfp4_conformance_fixtures`` (setup.py; a clone run uninstalled imports it as
+``fixtures``), found by import through :mod:`importlib.resources`. A clone, an
 editable install and a non-editable one run from any directory thus read the same files. Every reader of the golden
 snapshots, the rule matrices and profiles and the checkpoint builder locates them here.
 
     data_path("snapshots")                   # the golden data (NVFP4_SNAPSHOT_DIR still overrides it)
     data_path("config_rules", "profiles")    # the rules profiles
-    checkpoint_builder()                     # fixtures.make_checkpoints
+    checkpoint_builder()                     # nvfp4_conformance_fixtures.make_checkpoints
 """
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ import importlib.resources
 from pathlib import Path
 from types import ModuleType
 
-DATA_PACKAGE = "fixtures"
+#: the installed name (setup.py maps the repository's fixtures/ to it), then the clone's own directory name
+DATA_PACKAGE = "nvfp4_conformance_fixtures"
+CLONE_PACKAGE = "fixtures"
 #: the files the suite reads, relative to :func:`data_root` (tests/test_package_data.py checks an installed wheel)
 REQUIRED = ("snapshots", "config_rules", "config_rules/profiles", "config_rules/upstream_expectations.json",
             "make_checkpoints.py")
@@ -28,15 +31,18 @@ class DataNotFound(RuntimeError):
 def _package() -> ModuleType:
     try:
         package = importlib.import_module(DATA_PACKAGE)
-    except ImportError as exc:
-        raise DataNotFound(f"the suite's data package {DATA_PACKAGE!r} cannot be imported ({exc}): install the suite "
-                           f"with `pip install .` from its repository (it installs {DATA_PACKAGE}/ with conformance/ "
-                           f"and reference_impl/; an editable install made before {DATA_PACKAGE}/ was a package maps "
-                           f"none: re-run `pip install -e .`), or run from a clone's root") from exc
+    except ImportError as installed:
+        try:  # a clone run from its root without installing: its fixtures/ directory
+            package = importlib.import_module(CLONE_PACKAGE)
+        except ImportError:
+            raise DataNotFound(f"the suite's data package {DATA_PACKAGE!r} cannot be imported ({installed}): install "
+                               f"the suite with `pip install .` from its repository (it installs fixtures/ as "
+                               f"{DATA_PACKAGE}; an editable install made before that maps none: re-run `pip install "
+                               f"-e .`), or run from a clone's root") from installed
     if not getattr(package, _MARKER, None):
         where = getattr(package, "__file__", None) or list(getattr(package, "__path__", []))
-        raise DataNotFound(f"the importable package {DATA_PACKAGE!r} ({where}) is not this suite's data (it lacks "
-                           f"{_MARKER}): another distribution named {DATA_PACKAGE!r} shadows it; reinstall the suite "
+        raise DataNotFound(f"the importable package {package.__name__!r} ({where}) is not this suite's data (it lacks "
+                           f"{_MARKER}): another distribution shadows it; reinstall the suite "
                            f"(`pip install --force-reinstall --no-deps .`) or use a separate environment")
     return package
 
@@ -56,6 +62,5 @@ def data_path(*parts: str) -> Path:
 
 
 def checkpoint_builder() -> ModuleType:
-    """:mod:`fixtures.make_checkpoints` (builds the fixture checkpoints; imports torch)."""
-    _package()
-    return importlib.import_module(f"{DATA_PACKAGE}.make_checkpoints")
+    """The data package's ``make_checkpoints`` (builds the fixture checkpoints; imports torch)."""
+    return importlib.import_module(f"{_package().__name__}.make_checkpoints")

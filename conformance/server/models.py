@@ -118,7 +118,7 @@ def ensure_fixture_root(root: str | None) -> Path:
         return builder.ensure_checkpoints(builder.DEFAULT_OUT)
     if not builder.is_up_to_date(Path(root)):
         raise ModelError(f"--server-checkpoints {root!r} does not hold an up-to-date fixture build (the suite never "
-                         f"writes there): build it with `python -m fixtures.make_checkpoints --out {root}`")
+                         f"writes there): build it with `python -m nvfp4_conformance_fixtures.make_checkpoints --out {root}`")
     return Path(root)
 
 

@@ -84,7 +84,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      "and generated token is judged, per phase and token-count bucket (docs/server.md "
                      "'Workloads'); the coverage map goes to --report-dir")
     g.addoption("--server-checkpoints", default=None,
-                help="a fixture build made with `python -m fixtures.make_checkpoints --out DIR` (read only; "
+                help="a fixture build made with `python -m nvfp4_conformance_fixtures.make_checkpoints --out DIR` (read only; "
                      "default: fixtures/checkpoints in a clone, the user's cache (~/.cache/nvfp4-w4a16-conformance/"
                      "checkpoints) for a pip-installed suite, built on first use)")
 

@@ -1,5 +1,6 @@
 """The suite's data (golden snapshots, rule matrices and profiles, the checkpoint builder) is found through the
-installed ``fixtures`` package (conformance/_framework/data.py), not through paths relative to a repository: a
+installed data package ``nvfp4_conformance_fixtures`` (the repository's fixtures/, setup.py; never a top-level
+``fixtures``, an unrelated PyPI distribution's name) (conformance/_framework/data.py), not through paths relative to a repository: a
 wheel built from this tree and installed elsewhere reads every file from inside the install, and ships no built
 checkpoints."""
 from __future__ import annotations
@@ -29,13 +30,11 @@ def shipped_files() -> list[str]:
 
 # ----------------------------------------------------------------------------------------- the helper (unit)
 def test_data_root_is_the_imported_fixtures_package():
-    import fixtures
-
-    assert data.data_root() == Path(fixtures.__file__).parent
+    assert data.data_root() == FIXTURES
     assert data.data_path("config_rules", "dense.json").is_file()
     for rel in data.REQUIRED:
         assert data.data_path(rel).exists(), f"{rel} missing from {data.data_root()}"
-    assert data.checkpoint_builder().__name__ == "fixtures.make_checkpoints"
+    assert Path(data.checkpoint_builder().__file__) == FIXTURES / "make_checkpoints.py"
 
 
 def test_readers_use_the_helper(monkeypatch, tmp_path):
@@ -54,10 +53,12 @@ def test_readers_use_the_helper(monkeypatch, tmp_path):
 def test_missing_or_foreign_fixtures_package_is_reported(monkeypatch):
     import types
 
-    monkeypatch.setitem(sys.modules, "fixtures", None)  # import fails
+    monkeypatch.setitem(sys.modules, data.DATA_PACKAGE, None)  # import fails
+    monkeypatch.setitem(sys.modules, data.CLONE_PACKAGE, None)
     with pytest.raises(data.DataNotFound, match="cannot be imported"):
         data.data_root()
-    monkeypatch.setitem(sys.modules, "fixtures", types.ModuleType("fixtures"))  # PyPI's unrelated `fixtures`
+    # not installed, and the `fixtures` found is PyPI's unrelated distribution
+    monkeypatch.setitem(sys.modules, data.CLONE_PACKAGE, types.ModuleType("fixtures"))
     with pytest.raises(data.DataNotFound, match="shadows it"):
         data.data_root()
 
@@ -79,7 +80,7 @@ def test_checkpoints_go_to_the_user_cache_outside_a_source_tree(monkeypatch, tmp
 _PROBE = r"""
 import json, sys
 from pathlib import Path
-import conformance, fixtures
+import conformance, nvfp4_conformance_fixtures as fixtures
 from conformance._framework import data, snapshots
 from conformance.rules import matrix
 builder = data.checkpoint_builder()
@@ -102,7 +103,7 @@ def installed(tmp_path_factory) -> Path:
     junk = shutil.ignore_patterns("__pycache__", "*.pyc", "checkpoints")
     for name in ("conformance", "reference_impl", "fixtures"):
         shutil.copytree(REPO / name, src / name, ignore=junk)
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy2(REPO / name, src / name)
     planted = src / "fixtures" / "checkpoints" / "dense-nvfp4-a"  # a build the wheel must leave out
     planted.mkdir(parents=True)
@@ -115,10 +116,12 @@ def installed(tmp_path_factory) -> Path:
     assert build.returncode == 0, f"building the wheel failed:\n{build.stdout[-3000:]}\n{build.stderr[-3000:]}"
     (wheel,) = wheels.glob("*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    leaked = [n for n in names if n.startswith("fixtures/checkpoints")]
+    leaked = [n for n in names if n.startswith(f"{data.DATA_PACKAGE}/checkpoints")]
     assert not leaked, f"the wheel ships built checkpoints (fixtures/checkpoints/ must stay out): {leaked}"
-    missing = [f for f in shipped_files() if f"fixtures/{f}" not in names]
-    assert not missing, f"the wheel lacks data files the suite reads (pyproject.toml [tool.setuptools.package-data]): {missing}"
+    clash = [n for n in names if n.startswith("fixtures/")]
+    assert not clash, f"the wheel ships a top-level `fixtures` package (PyPI's `fixtures` would be overwritten): {clash[:3]}"
+    missing = [f for f in shipped_files() if f"{data.DATA_PACKAGE}/{f}" not in names]
+    assert not missing, f"the wheel lacks data files the suite reads (setup.py package_data): {missing}"
     inst = subprocess.run([*pip, "install", "--no-deps", "--no-index", "--target", str(target), str(wheel)],
                           capture_output=True, text=True, timeout=300)
     assert inst.returncode == 0, f"installing the wheel failed:\n{inst.stdout[-3000:]}\n{inst.stderr[-3000:]}"
@@ -142,13 +145,14 @@ def test_installed_wheel_finds_every_data_file_inside_the_install(installed, tmp
     for key in ("conformance", "fixtures", "root", "snapshots", "rules", "builder"):
         assert Path(got[key]).is_relative_to(installed), (
             f"{key} resolves to {got[key]}, outside the install {installed}: read relative to a repository")
-    assert Path(got["root"]) == installed / "fixtures"
+    assert Path(got["root"]) == installed / data.DATA_PACKAGE
     missing = sorted(set(shipped_files()) - set(got["files"]))
     assert not missing, f"the installed data helper does not find {missing} in {got['root']}"
     for rel in shipped_files():
-        assert (installed / "fixtures" / rel).read_bytes() == (FIXTURES / rel).read_bytes(), f"{rel} differs"
+        assert (installed / data.DATA_PACKAGE / rel).read_bytes() == (FIXTURES / rel).read_bytes(), f"{rel} differs"
     assert got["profiles"] == sorted(p.stem for p in (FIXTURES / "config_rules" / "profiles").glob("*.json"))
-    assert not (installed / "fixtures" / "checkpoints").exists()
+    assert not (installed / data.DATA_PACKAGE / "checkpoints").exists()
+    assert not (installed / "fixtures").exists()
     # built on first use into the user's cache, never into the install
     assert Path(got["default_out"]) == empty / "cache" / "nvfp4-w4a16-conformance" / "checkpoints"
 
