@@ -51,6 +51,11 @@ class Rule:
     features: frozenset[str] = frozenset()
     facts: tuple[str, ...] = ()
 
+    @classmethod
+    def of(cls, name: str, area: str, explanation: str, **kw: Iterable[str]) -> Rule:
+        """A rule from plain iterables: the check and feature names become frozensets, ``facts`` a tuple."""
+        return cls(name, area, explanation, **{k: frozenset(v) if k != "facts" else tuple(v) for k, v in kw.items()})
+
     def __post_init__(self) -> None:
         if not (self.fails or self.fails_any):
             raise ValueError(f"rule {self.name!r} names no failing check: it could fire on a correct backend")

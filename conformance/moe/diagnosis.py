@@ -34,7 +34,7 @@ FP16_MAX, FP16_MIN_NORMAL = 65504.0, 2.0**-14
 
 
 def _r(name: str, explanation: str, **kw) -> Rule:
-    return Rule(name, AREA, explanation, **{k: frozenset(v) if k != "facts" else tuple(v) for k, v in kw.items()})
+    return Rule.of(name, AREA, explanation, **kw)
 
 
 def _reading(name: str, explanation: str) -> Rule:
