@@ -1,5 +1,6 @@
-"""MoE experts as the reference reads them, and their activations: the :class:`NVFP4Experts` record (one
-definition; ``conformance.interfaces.kernel.MoEExperts`` satisfies it), the concrete :class:`ExpertWeights`,
+"""MoE experts as the reference reads them, and their activations: the :class:`MoEExperts` record (the one
+definition: ``conformance.interfaces.kernel.MoEExperts`` is this class; ``NVFP4Experts`` and ``ExpertWeights`` are
+its 0.2 names),
 :func:`apply_activation` and the expert-parallel offset. Shared by :mod:`reference_impl.moe` (the fused-MoE
 math) and :mod:`reference_impl.moe_grouped` (its grouped-GEMM evaluation), so neither imports the other's
 caller."""
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal
 
 import torch
 
@@ -18,28 +19,20 @@ SWIGLU_OAI_DEFAULTS = {"alpha": 1.702, "beta": 1.0, "limit": 7.0}
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
-class NVFP4Experts(Protocol):
-    """What the reference reads from a MoE layer (``conformance.interfaces.kernel.MoEExperts`` has it all)."""
-
-    w13: torch.Tensor
-    w13_scale: torch.Tensor
-    w13_scale_2: torch.Tensor
-    w2: torch.Tensor
-    w2_scale: torch.Tensor
-    w2_scale_2: torch.Tensor
-    activation: str
-    activation_params: dict
-    ep_rank: int
-
-    @property
-    def num_local_experts(self) -> int: ...
+MoEActivation = Literal["swiglu", "geglu", "relu2", "swiglu_oai"]
 
 
 @dataclass(frozen=True)
-class ExpertWeights:
-    """A concrete :class:`NVFP4Experts`: this rank's experts in checkpoint form (W13 as halves
-    ``[gate; up]``, per-expert (gate, up) and down decode scales). Used wherever ``reference_impl`` builds
-    experts itself (online quantization, the reference model, the FlashInfer emulator)."""
+class MoEExperts:
+    """The experts of one MoE layer on one expert-parallel rank, in checkpoint form.
+
+    ``w13`` uint8 ``[E, 2I, H/2]`` as halves ``[gate; up]`` (``[E, I, H/2]`` for the non-gated relu2);
+    ``w13_scale`` e4m3 ``[E, 2I, H/16]``; ``w13_scale_2`` fp32 ``[E, 2]`` (gate, up);
+    ``w2`` uint8 ``[E, H, I/2]``; ``w2_scale`` e4m3 ``[E, H, I/16]``; ``w2_scale_2`` fp32 ``[E]``;
+    input scales ``[num_global_experts, 2]`` / ``[num_global_experts]`` are present when the checkpoint
+    has them and are neutral under W4A16. This rank owns global experts
+    ``[ep_rank * E, (ep_rank + 1) * E)``; tokens routed elsewhere contribute nothing here.
+    ``activation_params`` holds e.g. ``alpha``, ``beta``, ``limit`` for ``swiglu_oai``."""
 
     w13: torch.Tensor
     w13_scale: torch.Tensor
@@ -47,17 +40,30 @@ class ExpertWeights:
     w2: torch.Tensor
     w2_scale: torch.Tensor
     w2_scale_2: torch.Tensor
-    activation: str = "swiglu"
-    activation_params: dict = field(default_factory=dict)
+    activation: MoEActivation = "swiglu"
+    activation_params: dict[str, float] = field(default_factory=dict)
+    num_global_experts: int | None = None
     ep_rank: int = 0
+    ep_size: int = 1
+    w13_input_scale: torch.Tensor | None = None
+    w2_input_scale: torch.Tensor | None = None
 
     @property
     def num_local_experts(self) -> int:
         return self.w13.shape[0]
 
     @property
+    def hidden_size(self) -> int:
+        return self.w2.shape[1]
+
+    @property
     def intermediate_size(self) -> int:
         return self.w2.shape[2] * 2
+
+
+#: 0.2's names of the same record: what the reference reads (a protocol then) and the experts it builds itself
+NVFP4Experts = MoEExperts
+ExpertWeights = MoEExperts
 
 
 # ----------------------------------------------------------------------------------------- activations

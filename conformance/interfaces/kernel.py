@@ -17,6 +17,9 @@ from typing import Any, Literal
 
 import torch
 
+from reference_impl.moe_experts import MoEActivation as _MoEActivation
+from reference_impl.moe_experts import MoEExperts as _MoEExperts
+
 Device = torch.device | str
 
 
@@ -46,46 +49,10 @@ class DenseLayer:
         return self.weight.shape[1] * 2
 
 
-MoEActivation = Literal["swiglu", "geglu", "relu2", "swiglu_oai"]
-
-
-@dataclass(frozen=True)
-class MoEExperts:
-    """The experts of one MoE layer on one expert-parallel rank, in checkpoint form.
-
-    ``w13`` uint8 ``[E, 2I, H/2]`` as halves ``[gate; up]`` (``[E, I, H/2]`` for the non-gated relu2);
-    ``w13_scale`` e4m3 ``[E, 2I, H/16]``; ``w13_scale_2`` fp32 ``[E, 2]`` (gate, up);
-    ``w2`` uint8 ``[E, H, I/2]``; ``w2_scale`` e4m3 ``[E, H, I/16]``; ``w2_scale_2`` fp32 ``[E]``;
-    input scales ``[num_global_experts, 2]`` / ``[num_global_experts]`` are present when the checkpoint
-    has them and are neutral under W4A16. This rank owns global experts
-    ``[ep_rank * E, (ep_rank + 1) * E)``; tokens routed elsewhere contribute nothing here.
-    ``activation_params`` holds e.g. ``alpha``, ``beta``, ``limit`` for ``swiglu_oai``."""
-
-    w13: torch.Tensor
-    w13_scale: torch.Tensor
-    w13_scale_2: torch.Tensor
-    w2: torch.Tensor
-    w2_scale: torch.Tensor
-    w2_scale_2: torch.Tensor
-    activation: MoEActivation = "swiglu"
-    activation_params: dict[str, float] = field(default_factory=dict)
-    num_global_experts: int | None = None
-    ep_rank: int = 0
-    ep_size: int = 1
-    w13_input_scale: torch.Tensor | None = None
-    w2_input_scale: torch.Tensor | None = None
-
-    @property
-    def num_local_experts(self) -> int:
-        return self.w13.shape[0]
-
-    @property
-    def hidden_size(self) -> int:
-        return self.w2.shape[1]
-
-    @property
-    def intermediate_size(self) -> int:
-        return self.w2.shape[2] * 2
+#: The experts of one MoE layer on one rank, in checkpoint form: one record for the suite and the reference
+#: (defined in :mod:`reference_impl.moe_experts`, the bottom layer, so the reference's own experts are the same type)
+MoEExperts = _MoEExperts
+MoEActivation = _MoEActivation
 
 
 @dataclass(frozen=True)
