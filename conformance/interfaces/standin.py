@@ -124,3 +124,22 @@ class StandIn:
         sys.modules.update(self._saved_modules)
         self._saved_modules.clear()
         self.active = False
+
+
+@contextlib.contextmanager
+def cpu_kernel(namespace: str, op: str, fn: Any):
+    """``fn`` (an engine's own Python body of ``namespace::op``, an op it registers for CUDA only) registered as
+    the op's CPU kernel while the context is open; deregistered on exit."""
+    import torch
+
+    lib = torch.library.Library(namespace, "IMPL")
+    lib.impl(op, fn, "CPU")
+    try:
+        yield
+    finally:
+        lib._destroy()
+
+
+def tensor_cuda_noop(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """A stand-in for ``torch.Tensor.cuda`` on a CPU-only run (an :class:`AttrPatch` target): the tensor itself."""
+    return self

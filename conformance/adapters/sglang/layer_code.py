@@ -22,7 +22,7 @@ import torch
 from conformance.interfaces.kernel import DenseLayer
 from conformance.interfaces.layer_code import (QKV_HEAD, LayerCodeEngine, MoECheckpoint, Mode, load_dense_shards,
                                                qkv_heads)
-from conformance.interfaces.standin import AttrPatch, StandIn
+from conformance.interfaces.standin import AttrPatch, StandIn, cpu_kernel, tensor_cuda_noop
 
 W4A16_ENV = "SGLANG_FLASHINFER_CUTEDSL_NVFP4_W4A16"
 TESTED_VERSION = "0.5.23"
@@ -83,12 +83,8 @@ def _cpu_fp4_gemm_kernel():
         raise RuntimeError("cannot find SGLang's fp4_gemm Python function to register as the CPU kernel")
     if not hasattr(torch.ops.sglang, "fp4_gemm"):
         wrapper.real_impl  # lazily registered variant: register now
-    lib = torch.library.Library("sglang", "IMPL")
-    lib.impl("fp4_gemm", op_func, "CPU")
-    try:
+    with cpu_kernel("sglang", "fp4_gemm", op_func):
         yield
-    finally:
-        lib._destroy()
 
 
 class _BlackwellPlatform:
@@ -102,10 +98,6 @@ class _BlackwellPlatform:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)
-
-
-def _tensor_cuda_noop(self: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    return self
 
 
 class SGLangLayerCode(LayerCodeEngine):
@@ -161,7 +153,7 @@ class SGLangLayerCode(LayerCodeEngine):
             )
         if mode == "w4a4":
             if not torch.cuda.is_available():
-                patches.append(AttrPatch(torch.Tensor, "cuda", _tensor_cuda_noop,
+                patches.append(AttrPatch(torch.Tensor, "cuda", tensor_cuda_noop,
                                          "W4A4 post-load swizzle ends with .cuda(); no CUDA device here"))
         return patches
 

@@ -32,7 +32,7 @@ import torch
 
 from conformance.interfaces.layer_code import (QKV_HEAD, LayerCodeEngine, MoECheckpoint, Mode, load_dense_shards,
                                                qkv_heads)
-from conformance.interfaces.standin import AttrPatch, StandIn
+from conformance.interfaces.standin import AttrPatch, StandIn, cpu_kernel, tensor_cuda_noop
 from conformance.interfaces.kernel import DenseLayer
 
 TESTED_VERSION = "0.32.0"
@@ -72,16 +72,8 @@ def _cpu_kernel_for_vllm_w4a16_op():
     if body is None or not hasattr(torch.ops.vllm, "flashinfer_mm_bf16_fp4"):
         raise RuntimeError("vllm.utils.flashinfer did not define the vllm::flashinfer_mm_bf16_fp4 op "
                            "(vLLM defines it only when has_flashinfer() holds at import)")
-    lib = torch.library.Library("vllm", "IMPL")
-    lib.impl("flashinfer_mm_bf16_fp4", body, "CPU")
-    try:
+    with cpu_kernel("vllm", "flashinfer_mm_bf16_fp4", body):
         yield
-    finally:
-        lib._destroy()
-
-
-def _tensor_cuda_noop(self: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    return self
 
 
 class VLLMLayerCode(LayerCodeEngine):
@@ -130,7 +122,7 @@ class VLLMLayerCode(LayerCodeEngine):
                       "bound at import: vllm.utils.flashinfer's cached lazy wrapper of prepare_bf16_fp4_weights"),
         ]
         if not torch.cuda.is_available():
-            patches.append(AttrPatch(torch.Tensor, "cuda", _tensor_cuda_noop,
+            patches.append(AttrPatch(torch.Tensor, "cuda", tensor_cuda_noop,
                                      "nvfp4_utils.swizzle_blockscale ends with .cuda(); no CUDA device here"))
         capability = int(os.environ.get(_CAPABILITY_ENV, "100"))
         return VLLMStandIn(modules, patches, {}, capability=capability)
