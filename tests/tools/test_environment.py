@@ -29,7 +29,7 @@ def test_sglang_layer_code_importable():
 
 def test_modelopt_quantizer_installed_with_its_cpu_dependencies():
     """nvidia-modelopt 0.47.0 (the ModelOpt-recipe oracle) and what its quantizer import needs. Checked without
-    importing ModelOpt (a ~10 s import, paid once by tests/test_nvfp4_oracles.py)."""
+    importing ModelOpt (a ~10 s import, paid once by tests/reference/test_nvfp4_oracles.py)."""
     from importlib.metadata import files, version
     from importlib.util import find_spec
 

@@ -3,7 +3,7 @@ Face export layout by code that shares nothing with fixtures/make_checkpoints.py
 (numpy + ml_dtypes for the E2M1/E4M3 casts, safetensors' numpy writer, sharded files with an index, no
 tokenizer.json: what ``modelopt.torch.export.export_hf_checkpoint`` writes for NVFP4 / W4A16_NVFP4).
 
-    python tests/byo_exporter.py OUT [--arch llama|qwen3_moe] [--algo NVFP4|W4A16_NVFP4] [--tokenizer-dir DIR]
+    python tests/reference/byo_exporter.py OUT [--arch llama|qwen3_moe] [--algo NVFP4|W4A16_NVFP4] [--tokenizer-dir DIR]
 
 The quantization is ModelOpt's weight recipe written from its definition: per-tensor
 ``weight_scale_2 = amax / (6 * 448)``, per 16-element block ``scale = e4m3(block_amax / 6 / weight_scale_2)``,

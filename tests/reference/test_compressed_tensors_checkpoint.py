@@ -1,4 +1,4 @@
-"""A compressed-tensors NVFP4A16 tiny Llama written by compressed-tensors itself (tests/ct_exporter.py, at test
+"""A compressed-tensors NVFP4A16 tiny Llama written by compressed-tensors itself (tests/reference/ct_exporter.py, at test
 time) passes the scenario suite through ``--server-checkpoint`` (the reference server and the truth both read it
 through reference_impl's checkpoint layer), leaving its directory as it was, and its golden truth equals, bit for
 bit, the truth of the same weights written in ModelOpt layout (``weight``, ``weight_scale``, ``weight_scale_2 =
@@ -16,8 +16,8 @@ pytestmark = pytest.mark.integration  # starts servers or whole pytest runs (ci/
 pytest.importorskip("compressed_tensors", reason="needs compressed-tensors (ci/install-test-deps.sh)")
 pytest.importorskip("transformers", reason="needs transformers (the [test] extra, ci/install-test-deps.sh)")
 
-from tests import byo_exporter, ct_exporter, modelopt_exporter  # noqa: E402
-from tests.test_byo_checkpoint import assert_suite_passes_and_leaves_checkpoint_untouched  # noqa: E402
+from tests.reference import byo_exporter, ct_exporter, modelopt_exporter  # noqa: E402
+from tests.reference.test_byo_checkpoint import assert_suite_passes_and_leaves_checkpoint_untouched  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """Deliberately broken rules engines: each re-plants one rule bug (the first three are the upstream review
-findings). tests/test_rule_mutants.py asserts the matrices reject each one, naming a case that catches it."""
+findings). tests/rules/test_rule_mutants.py asserts the matrices reject each one, naming a case that catches it."""
 from __future__ import annotations
 
 import torch

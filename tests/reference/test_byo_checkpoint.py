@@ -1,5 +1,5 @@
 """Bring your own checkpoint: the scenario suite runs on a checkpoint this repository's fixture builder did
-not write (tests/byo_exporter.py: an independent NVFP4 exporter in ModelOpt's HF layout, sharded, no
+not write (tests/reference/byo_exporter.py: an independent NVFP4 exporter in ModelOpt's HF layout, sharded, no
 tokenizer), with the checkpoint's own tokenizer and with ``--tokenizer``, and leaves the checkpoint
 directory byte for byte as it was (it is also made read-only for the run). Missing or unfitting
 tokenizers are clear errors at start."""
@@ -18,15 +18,15 @@ import pytest
 import torch
 
 from conformance.server.scenarios import SCENARIOS
-from tests import byo_exporter
+from tests.reference import byo_exporter
 
 pytestmark = pytest.mark.integration  # starts servers or whole pytest runs (ci/time_tests.py times them apart)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # every scenario at TP1 (tp_agreement needs TP > 1): counted from the list, which grows
 SCENARIOS_RUN = sum(not s.needs_tp_baseline for s in SCENARIOS)
 # the damage classes (conformance/server/corruptions.py) test the loader, whose checks are the same for every
-# architecture: one nested run offers them all (a sharded ModelOpt export, tests/test_modelopt_checkpoint.py), the
+# architecture: one nested run offers them all (a sharded ModelOpt export, tests/reference/test_modelopt_checkpoint.py), the
 # others leave them out (five scenarios x nine exports of CI time)
 DAMAGE_SCENARIOS = tuple(s.id for s in SCENARIOS if s.id.startswith("failed_reload_")
                          and s.id not in ("failed_reload_missing_path", "failed_reload_corrupt_checkpoint"))

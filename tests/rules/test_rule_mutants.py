@@ -6,8 +6,8 @@ import pytest
 
 from conformance.rules.matrix import DEFAULT_PROFILE, MATRICES, load_matrix, mismatch, profile_names, run_case
 from conformance.adapters.reference.rules import ReferenceRules
-from tests.mutants.rules import ACCEPTED_VARIANTS, MUTANTS, PROFILE_MUTANTS
-from tests.mutants.rules_redteam import REDTEAM_MUTANTS
+from tests.rules.mutants import ACCEPTED_VARIANTS, MUTANTS, PROFILE_MUTANTS
+from tests.rules.redteam import REDTEAM_MUTANTS
 
 ALL_MUTANTS = {**MUTANTS, **REDTEAM_MUTANTS}
 

@@ -11,7 +11,7 @@ from conformance.rules.matrix import profile_names
 from conformance.rules.oracle import (AGREE, CHECKS, DISAGREE, NOT_APPLICABLE, ORACLE_FILE, SOURCE_FIELDS,
                                         judge, load_expectations, tally)
 from conformance.adapters.reference.rules import ReferenceRules
-from tests.mutants.rules import DeepEPNormalRejectedOnMain, LmHeadW4A16BranchMissing, PerTokenNotForcedOffUnderW4A16
+from tests.rules.mutants import DeepEPNormalRejectedOnMain, LmHeadW4A16BranchMissing, PerTokenNotForcedOffUnderW4A16
 
 MIN_EXPECTATIONS = 40
 
@@ -83,7 +83,7 @@ def test_report_names_rules_engine_and_profile(tmp_path):
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "conformance/rules/test_config_rules_upstream.py",
          "-k", "fp4_backend or deepep", "--rules-profile", "sglang-main", "--engine", "reference",

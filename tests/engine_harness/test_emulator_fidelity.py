@@ -1,4 +1,4 @@
-"""The FlashInfer emulator against FlashInfer's *own* test references (restated in tests/flashinfer_references.py),
+"""The FlashInfer emulator against FlashInfer's *own* test references (restated in tests/engine_harness/flashinfer_references.py),
 on the CPU: evidence, independent of this suite's reference, that the emulator computes what FlashInfer's tests
 say the kernels compute, and a measured statement of what each of those tests can tell apart.
 
@@ -27,7 +27,7 @@ from reference_impl.flashinfer_emulator import _moe_compute, gemm
 
 from conformance.interfaces.kernel import MoEExperts
 from reference_impl.bounds.moe import error_figures, moe_error_bound
-from tests import flashinfer_references as ref
+from tests.engine_harness import flashinfer_references as ref
 
 pytest.importorskip("flashinfer.batch_invariant.quantization.nvfp4_reference",
                     reason="FlashInfer's CPU quantizer model quantizes the inputs, as FlashInfer's tests do on the GPU")

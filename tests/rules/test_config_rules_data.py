@@ -13,7 +13,7 @@ import pytest
 
 from conformance.rules.matrix import MATRICES, load_matrix, load_profile, profile_names
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("generator", ["generate.py", "generate_vllm.py"])

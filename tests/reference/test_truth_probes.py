@@ -14,7 +14,7 @@ from reference_impl.truth.engine import Output, Request, TruthModel
 from conformance.server.bounds import GOLDEN_LAMBDA
 from reference_impl.truth.probes import probe_lambda, probe_sequences, route_outputs
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "checkpoints"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "checkpoints"
 U = (2.0 ** -8, 2.0 ** -23)
 
 

@@ -4,7 +4,7 @@ A tiny randomly initialised ``transformers`` model (Llama, Qwen3, Qwen3-MoE, Mix
 ``modelopt.torch.quantization`` (a short calibration loop over random token ids) and written by
 ``modelopt.torch.export.export_hf_checkpoint``: the files a vendor brings.
 
-    python tests/modelopt_exporter.py OUT [--arch llama|qwen3|qwen3_moe|mixtral|deepseek_v3] [--algo NVFP4|NVFP4_AWQ|W4A16_NVFP4]
+    python tests/reference/modelopt_exporter.py OUT [--arch llama|qwen3|qwen3_moe|mixtral|deepseek_v3] [--algo NVFP4|NVFP4_AWQ|W4A16_NVFP4]
                                           [--tied] [--shard-size 200KB] [--fp8-kv] [--float16] [--size small|tiny]
 
 What running ModelOpt 0.47.0 on CPU (transformers 5.24) showed, and what this module does about it:

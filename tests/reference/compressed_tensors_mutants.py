@@ -1,5 +1,5 @@
 """compressed-tensors NVFP4A16 readers that get the global-scale convention wrong; each must fail
-tests/test_compressed_tensors.py::test_mutant_reader_is_caught. A reader returns ModelOpt-layout tensors."""
+tests/reference/test_compressed_tensors.py::test_mutant_reader_is_caught. A reader returns ModelOpt-layout tensors."""
 from __future__ import annotations
 
 from pathlib import Path

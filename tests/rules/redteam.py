@@ -1,5 +1,5 @@
-"""More broken rules engines, written independently of tests/mutants/rules.py (a red-team pass over issue 16):
-each plants one realistic rule bug; tests/test_rule_mutants.py asserts the named case rejects it."""
+"""More broken rules engines, written independently of tests/rules/mutants.py (a red-team pass over issue 16):
+each plants one realistic rule bug; tests/rules/test_rule_mutants.py asserts the named case rejects it."""
 from __future__ import annotations
 
 import torch

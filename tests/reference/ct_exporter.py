@@ -1,8 +1,8 @@
 """compressed-tensors NVFP4A16 checkpoints for the self-tests, written by compressed-tensors itself at test time.
 
-    python tests/ct_exporter.py OUT [--seed 0]
+    python tests/reference/ct_exporter.py OUT [--seed 0]
 
-A tiny randomly initialised ``transformers`` Llama (the same model as tests/modelopt_exporter.py) gets
+A tiny randomly initialised ``transformers`` Llama (the same model as tests/reference/modelopt_exporter.py) gets
 llm-compressor's ``NVFP4A16`` preset scheme (``preset_name_to_scheme("NVFP4A16", ["Linear"])``, ``lm_head``
 ignored) through compressed-tensors' ``apply_quantization_config``; its weight quantization parameters are
 computed with compressed-tensors' own ``generate_gparam`` (the tensor-wide global scale) and
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from tests.modelopt_exporter import _model
+from tests.reference.modelopt_exporter import _model
 
 
 def _observe(module: torch.nn.Module) -> None:

@@ -1,4 +1,4 @@
-"""Real ModelOpt exports (tests/modelopt_exporter.py, made at test time with nvidia-modelopt on CPU): the reference
+"""Real ModelOpt exports (tests/reference/modelopt_exporter.py, made at test time with nvidia-modelopt on CPU): the reference
 reads what ModelOpt writes as transformers does, refuses what it cannot serve with a clear error, and the
 scenario suite runs on such a checkpoint with its own tokenizer and with ``--tokenizer``, leaving the directory
 byte for byte as it was.
@@ -27,9 +27,9 @@ pytestmark = [
 ]
 pytest.importorskip("transformers", reason="needs transformers (the [test] extra, ci/install-test-deps.sh)")
 
-from tests import byo_exporter, modelopt_exporter  # noqa: E402
-from tests.test_byo_checkpoint import _state, assert_suite_passes_and_leaves_checkpoint_untouched  # noqa: E402
-from tests.test_checkpoints import assert_matches_transformers  # noqa: E402
+from tests.reference import byo_exporter, modelopt_exporter  # noqa: E402
+from tests.reference.test_byo_checkpoint import _state, assert_suite_passes_and_leaves_checkpoint_untouched  # noqa: E402
+from tests.reference.test_checkpoints import assert_matches_transformers  # noqa: E402
 
 EXPORTS = {  # name: (arch, algo, options)
     "llama-nvfp4_awq-sharded": ("llama", "NVFP4_AWQ", {"shard_size": "200KB"}),
@@ -68,7 +68,7 @@ def test_what_modelopt_writes(exports):
 @pytest.mark.parametrize("name", EXPORTS)
 def test_reference_reads_real_exports_as_transformers_does(exports, name):
     """Our exact model on the export vs transformers' own model class loaded with the export's float64-dequantized
-    weights (bound derived in tests/test_checkpoints.py; these weights are drawn at 0.1, 1.6 times the
+    weights (bound derived in tests/reference/test_checkpoints.py; these weights are drawn at 0.1, 1.6 times the
     1/sqrt(fan_in) scale that derivation assumes, and measured errors are a tenth of the bound). A misread AWQ
     fold, tied head, rotary base or expert layout moves logits by O(0.1)."""
     from reference_impl.checkpoint import load_checkpoint

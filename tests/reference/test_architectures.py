@@ -1,5 +1,5 @@
 """Every architecture the reference supports (reference_impl/architectures.py), on a tiny random model of each
-written by an independent path -- NVIDIA ModelOpt 0.47 on CPU (tests/modelopt_exporter.py), which exports all
+written by an independent path -- NVIDIA ModelOpt 0.47 on CPU (tests/reference/modelopt_exporter.py), which exports all
 five: Llama, Qwen3 dense (q/k norms), Qwen3-MoE, Mixtral (ModelOpt writes the original
 ``block_sparse_moe.experts.<e>.w1/w3/w2`` naming) and DeepSeek-V3 (MLA with q_lora, YaRN, interleaved rotary,
 a dense first layer, then 16 routed experts in 4 groups top-2 groups top-4 experts, a shared expert, sigmoid
@@ -7,14 +7,14 @@ scores with a nonzero ``e_score_correction_bias``, ``routed_scaling_factor`` 2.5
 
 * the golden truth (:class:`reference_impl.truth.engine.TruthModel`: transformers' decoder layers streamed one at
   a time, weights dequantized per layer, hooks attached) agrees in fp64 with transformers' *whole* model class
-  loaded the ordinary way (``load_state_dict`` of the exactly dequantized weights, tests/test_checkpoints.py),
-  within the derived bound of tests/test_checkpoints.py (fp32 stages x GAIN x 2^-24 x max|logit|);
+  loaded the ordinary way (``load_state_dict`` of the exactly dequantized weights, tests/reference/test_checkpoints.py),
+  within the derived bound of tests/reference/test_checkpoints.py (fp32 stages x GAIN x 2^-24 x max|logit|);
 * the reference server's hand-written model (exact mode) agrees with the same transformers model, same bound;
 * the comparison has the power to catch a misread architecture feature: each mutation of the transformers side
   below (a dropped score correction, routed scaling 1, q/k norms off, gate/up swapped, ...) moves the logits far
   beyond the bound;
 * the scenario suite (all 7 TP1 scenarios) passes on each export through ``--server-checkpoint`` served by
-  the reference server (Llama's runs are tests/test_modelopt_checkpoint.py's and tests/test_byo_checkpoint.py's);
+  the reference server (Llama's runs are tests/reference/test_modelopt_checkpoint.py's and tests/reference/test_byo_checkpoint.py's);
 * Nemotron-H (hybrid Mamba-2) is refused at start with the reason.
 """
 from __future__ import annotations
@@ -33,8 +33,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("modelopt") is None,
                                 reason="needs nvidia-modelopt (installed by ci/install-test-deps.sh)")
 pytest.importorskip("transformers", reason="needs transformers (the [test] extra, ci/install-test-deps.sh)")
 
-from tests import byo_exporter, modelopt_exporter  # noqa: E402
-from tests.test_checkpoints import GAIN, PROMPT, fp32_stages, transformers_model  # noqa: E402
+from tests.reference import byo_exporter, modelopt_exporter  # noqa: E402
+from tests.reference.test_checkpoints import GAIN, PROMPT, fp32_stages, transformers_model  # noqa: E402
 
 ARCHS = modelopt_exporter.ARCHS
 ALGO = "W4A16_NVFP4"
@@ -110,9 +110,9 @@ def test_truth_matches_transformers(tiny, arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_serving_model_matches_transformers(tiny, arch):
-    """The reference server's hand-written model, exact mode, vs transformers (tests/test_checkpoints.py)."""
+    """The reference server's hand-written model, exact mode, vs transformers (tests/reference/test_checkpoints.py)."""
     from reference_impl.checkpoint import load_checkpoint
-    from tests.test_checkpoints import assert_matches_transformers
+    from tests.reference.test_checkpoints import assert_matches_transformers
 
     assert_matches_transformers(load_checkpoint(tiny(arch)), arch)
 
@@ -184,7 +184,7 @@ def test_the_comparison_catches_a_misread_feature(tiny, case):
 def test_scenarios_on_every_architecture(tiny, tokenizer, tmp_path, arch):
     """Every TP1 scenario passes (none skipped) on the tiny export served by the reference server, the truth
     computed by TruthModel; the directory is left exactly as it was."""
-    from tests.test_byo_checkpoint import assert_suite_passes_and_leaves_checkpoint_untouched
+    from tests.reference.test_byo_checkpoint import assert_suite_passes_and_leaves_checkpoint_untouched
 
     assert_suite_passes_and_leaves_checkpoint_untouched(tmp_path, tiny(arch), ["--tokenizer", str(tokenizer)])
 

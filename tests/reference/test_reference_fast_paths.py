@@ -23,7 +23,7 @@ from conformance.moe.cases import MOE_CASES, build_global_experts, build_inputs
 from conformance.adapters.reference.kernel import ReferenceBackend
 from reference_impl.moe import fused_moe_exact, fused_moe_w4a16
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MOE = {c.id: c for c in MOE_CASES}
 
 

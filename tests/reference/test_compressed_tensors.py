@@ -19,9 +19,9 @@ ct = pytest.importorskip("compressed_tensors", reason="needs compressed-tensors 
 from reference_impl import compressed_tensors as C  # noqa: E402
 from reference_impl.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
 from reference_impl.nvfp4 import E2M1_MAGNITUDES, e2m1_decode, e2m1_encode, e4m3_decode, pack_nibbles, unpack_nibbles  # noqa: E402
-from tests import ct_exporter  # noqa: E402
-from tests.modelopt_exporter import LAYERS  # noqa: E402
-from tests.mutants.compressed_tensors import MUTANT_READERS  # noqa: E402
+from tests.reference import ct_exporter  # noqa: E402
+from tests.reference.modelopt_exporter import LAYERS  # noqa: E402
+from tests.reference.compressed_tensors_mutants import MUTANT_READERS  # noqa: E402
 
 # |ours - CT| for a decoded weight: CT computes fp32(e2m1 * fp32(e4m3 / g)) (two roundings), the reader decodes
 # e2m1 * e4m3 * fp32(1 / g) exactly in fp64 (one rounding, in fp32(1/g)): at most (1 + 2^-24)^3 - 1 < 4 * 2^-24
