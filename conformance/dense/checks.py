@@ -263,16 +263,20 @@ def check_correctly_rounded(run: DenseRun) -> RoundingFigures:
     return fig
 
 
+def _enough_elements(run: DenseRun, count: int, statistic: str) -> None:
+    """The strict statistics decide nothing on fewer than MIN_STATISTIC_ELEMENTS elements: fail naming the count."""
+    assert count >= MIN_STATISTIC_ELEMENTS, (
+        f"only {count} elements inform {statistic} (need {MIN_STATISTIC_ELEMENTS})\n  {describe_inputs(run)}"
+    )
+
+
 @check("dense", test="test_dense_single_rounding", applies_to=lambda case: "check_rounding_direction" in case.strict_checks)
 def check_rounding_direction(run: DenseRun) -> RoundingFigures:
     """[strict] Among outputs whose allowance is <= 1/8 ulp, the share rounded toward zero stays below
     ``5/8 + t`` (round-to-nearest: ~1/2; truncation: ~1). False-failure probability <= 1e-9 per evaluation
     (Hoeffding, :mod:`conformance.dense.single_rounding`)."""
     fig = single_rounding_figures(run)
-    assert fig.informative >= MIN_STATISTIC_ELEMENTS, (
-        f"only {fig.informative} elements inform the direction statistic (need {MIN_STATISTIC_ELEMENTS})"
-        f"\n  {describe_inputs(run)}"
-    )
+    _enough_elements(run, fig.informative, "the direction statistic")
     assert fig.toward_zero_fraction <= fig.direction_limit, (
         f"{fig.toward_zero_fraction:.3f} of {fig.informative} outputs are rounded toward zero (limit "
         f"{fig.direction_limit:.3f}; round-to-nearest gives ~0.5): the final FP32 -> BF16 conversion truncates?"
@@ -287,9 +291,7 @@ def check_ulp_error_spread(run: DenseRun) -> RoundingFigures:
     expectation (1/12 plus the allowance terms) plus a Hoeffding margin for a false-failure probability
     <= 1e-9: the calibrated summary threshold (FlashInfer's rel-L2 < 2e-2 is ten times looser)."""
     fig = single_rounding_figures(run)
-    assert fig.eligible >= MIN_STATISTIC_ELEMENTS, (
-        f"only {fig.eligible} elements inform the error spread (need {MIN_STATISTIC_ELEMENTS})\n  {describe_inputs(run)}"
-    )
+    _enough_elements(run, fig.eligible, "the error spread")
     assert fig.mean_sq_ulps <= fig.mean_sq_ulps_limit, (
         f"mean squared error {fig.mean_sq_ulps:.4f} ulp^2 over {fig.eligible} outputs exceeds the single-rounding "
         f"limit {fig.mean_sq_ulps_limit:.4f} (expected <= {fig.mean_sq_ulps_expected:.4f}): more than one rounding?"
