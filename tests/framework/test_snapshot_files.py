@@ -2,7 +2,7 @@
 
 syrupy's own unused-snapshot check is a warning here (``--snapshot-warn-unused`` in pyproject's addopts): under
 pytest-xdist it rebuilds "used" from the workers' reports, and snapshots whose test was *skipped* on one worker
-(tests/test_server_golden.py's writer runs only with --snapshot-update) were counted unused in some worker layouts
+(tests/server/test_server_golden.py's writer runs only with --snapshot-update) were counted unused in some worker layouts
 and not in others, which turned a run with every test passing into exit code 1 (issue 21). This check is the
 deterministic replacement: a snapshot file is stale when its test module or test function no longer exists.
 False-failure risk: none for a file syrupy wrote (syrupy names it <module>/<function>[<params>].<ext>);
@@ -21,7 +21,7 @@ def stale_snapshot_files(snapshot_dir: Path, test_roots: list[Path]) -> list[str
     stale = []
     for path in sorted(snapshot_dir.glob("*/*")):
         module = path.parent.name
-        if module.startswith("_"):  # written directly, not by syrupy (tests/test_server_golden.py checks them)
+        if module.startswith("_"):  # written directly, not by syrupy (tests/server/test_server_golden.py checks them)
             continue
         sources = [p for root in test_roots for p in root.rglob(f"{module}.py")]
         match = _SNAPSHOT_NAME.match(path.name)

@@ -1,4 +1,4 @@
-"""Every server scenario can fail: each mutant server (tests/mutant_servers.py) is rejected by the named
+"""Every server scenario can fail: each mutant server (tests/server/mutants.py) is rejected by the named
 scenario through every server dialect (conformance/server/dialects.py) that has the endpoints the mutant
 breaks, and the correct-but-different servers (``rebinding_reload``; ``fp32_engine``, an engine's
 arithmetic) are accepted by every scenario through every dialect, at TP1 and TP2 (gloo on CPU). A scenario
@@ -20,7 +20,7 @@ from conformance.server.scenarios import SCENARIOS, SCENARIOS_BY_ID, fresh_outpu
 
 pytestmark = pytest.mark.integration  # starts servers or whole pytest runs (ci/time_tests.py times them apart)
 
-MUTANT_SCRIPT = Path(__file__).resolve().parent / "mutant_servers.py"
+MUTANT_SCRIPT = Path(__file__).resolve().parent / "mutants.py"
 TEMPLATE = ("{python} %s --mutant {mutant} --model-path {model_path} --tokenizer-path {tokenizer_path} --port {port} "
             "--tp {tp} --device cpu" % MUTANT_SCRIPT)
 GOLDEN = r"vs the reference's golden outputs of weight set"

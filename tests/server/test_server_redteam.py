@@ -1,11 +1,11 @@
-"""The red-team servers (tests/redteam_servers.py, written against the golden comparison without looking at
-tests/mutant_servers.py): each broken one is rejected by the named scenario; the correct-but-different one
+"""The red-team servers (tests/server/redteam.py, written against the golden comparison without looking at
+tests/server/mutants.py): each broken one is rejected by the named scenario; the correct-but-different one
 (``temperature_scaled_logprobs``: SGLang 0.5.23's default logprobs under sampling) is accepted; ``logprobs_bf16``,
 once undetectable by the golden bound (below the BF16 noise every correct engine has), is now rejected by the
 coarsened-logprob check (conformance/server/fidelity.py: every logprob on the bfloat16 grid).
 
 Verdicts of the whole red team, before and after this module's scenario changes, are in docs/server.md
-("Red team"); the cases here are the ones that matter and are not covered by tests/test_server_mutants.py.
+("Red team"); the cases here are the ones that matter and are not covered by tests/server/test_server_mutants.py.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from conformance.server.scenarios import SCENARIOS_BY_ID, fresh_outputs, run_sce
 
 pytestmark = pytest.mark.integration  # starts servers or whole pytest runs (ci/time_tests.py times them apart)
 
-SCRIPT = Path(__file__).resolve().parent / "redteam_servers.py"
+SCRIPT = Path(__file__).resolve().parent / "redteam.py"
 TEMPLATE = ("{python} %s --bug {bug} --model-path {model_path} --tokenizer-path {tokenizer_path} --port {port} "
             "--tp {tp} --device cpu" % SCRIPT)
 GOLDEN = r"vs the reference's golden outputs of weight set"

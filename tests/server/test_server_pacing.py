@@ -3,7 +3,7 @@
 * Time limits come from the server's own pace (conformance/interfaces/server_pace.py): a slow server that always
   answers passes, one that loses a request fails with "request lost", a hung or stalled one says so. Shown on
   the :class:`Pace` alone with scripted requests and probes (each verdict, in seconds), and on stand-in servers
-  (tests/mutant_servers.py: ``slow_3x``, ``slows_down``, ``drops_one_request``).
+  (tests/server/mutants.py: ``slow_3x``, ``slows_down``, ``drops_one_request``).
 * batch_size_invariance compares what it chooses (explicit batches), not what the scheduler happened to do:
   stand-ins that co-batch concurrent requests at random get the same verdict in 10 runs out of 10 --
   ``random_cobatching`` (batch invariant) passes, ``random_cobatching_batch_variant`` fails at the explicit
@@ -24,7 +24,7 @@ from conformance.server.dialects import make_dialect
 from conformance.server.launcher import ServerProcess
 from conformance.server.models import ModelCatalog
 from conformance.server.scenarios import SCENARIOS_BY_ID, calibrate, fresh_outputs, run_scenario
-from tests.test_server_mutants import TEMPLATE
+from tests.server.test_server_mutants import TEMPLATE
 
 CAL = Calibration(generate_s=0.02, probe_s=0.01, control_s=0.05, probe_prompt="p")
 

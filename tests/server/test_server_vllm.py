@@ -10,7 +10,7 @@ import pytest
 import requests
 
 from fixtures.make_checkpoints import ensure_checkpoints
-from tests.live_reference_server import live_reference_server
+from tests.server.live_reference_server import live_reference_server
 
 GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 PROMPTS = ["the city of water", "people of the north"]

@@ -1,5 +1,5 @@
 """The workload scenario can fail where the fixed scenarios cannot: servers right at the scenarios' sizes and
-wrong above them (tests/mutant_servers.py: a large-M tile dropping a K block in the prefill or in the decode, a
+wrong above them (tests/server/mutants.py: a large-M tile dropping a K block in the prefill or in the decode, a
 batch bucket serving stale weights after a reload, an MoE expert workspace of 32 tokens) are failed with the bucket named, while a correct
 server whose reduction order changes by bucket passes. A small workload (:data:`MINI`) reaches each class on
 the fixtures; the fixed scenarios' own verdict on the same mutants is checked too (they pass them)."""
@@ -17,7 +17,7 @@ from conformance.server.workloads import Workload, load
 
 pytestmark = pytest.mark.integration
 
-MUTANT_SCRIPT = Path(__file__).resolve().parent / "mutant_servers.py"
+MUTANT_SCRIPT = Path(__file__).resolve().parent / "mutants.py"
 TEMPLATE = ("{python} %s --mutant {mutant} --model-path {model_path} --tokenizer-path {tokenizer_path} --port {port} "
             "--tp 1 --device cpu" % MUTANT_SCRIPT)
 

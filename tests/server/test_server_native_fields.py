@@ -12,7 +12,7 @@ import requests
 
 from fixtures.make_checkpoints import ensure_checkpoints
 from reference_impl.server.native_api import UNSUPPORTED_VALUES, NativeSamplingParams
-from tests.live_reference_server import live_reference_server
+from tests.server.live_reference_server import live_reference_server
 
 PROMPT = "the city of water"
 UNK_PROMPT = "a new river and the old stone tree"  # its greedy output holds <unk> (id 3), a special token

@@ -8,7 +8,7 @@ import pytest
 import requests
 
 from fixtures.make_checkpoints import ensure_checkpoints
-from tests.live_reference_server import live_reference_server
+from tests.server.live_reference_server import live_reference_server
 
 PROMPTS = ["the city of water", "a new river and the old stone tree"]
 EXTRA = {"return_token_ids": True, "ignore_eos": True}

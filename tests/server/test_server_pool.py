@@ -12,8 +12,8 @@ import pytest
 
 pytestmark = pytest.mark.integration  # starts servers or whole pytest runs (ci/time_tests.py times them apart)
 
-REPO = Path(__file__).resolve().parents[1]
-MUTANT = ("{python} tests/mutant_servers.py --mutant dies_after_failed_reload --model-path {model_path} "
+REPO = Path(__file__).resolve().parents[2]
+MUTANT = ("{python} tests/server/mutants.py --mutant dies_after_failed_reload --model-path {model_path} "
           "--tokenizer-path {tokenizer_path} --port {port} --tp {tp} --device {device}")
 
 

@@ -1,11 +1,11 @@
 """Broken servers written against the golden comparison (a second, independent set next to
-tests/mutant_servers.py): the reference server with one deliberate bug, on every rank.
+tests/server/mutants.py): the reference server with one deliberate bug, on every rank.
 
-    python tests/redteam_servers.py --bug NAME [reference server flags]
+    python tests/server/redteam.py --bug NAME [reference server flags]
 
 Each bug is a patch of the reference server's engine (``reference_impl/server/engine.py``) or its collectives,
 applied in rank 0 and, through ``REDTEAM_BUG`` in the environment, in every spawned rank before it loads
-weights. ``tests/test_server_redteam.py`` says which scenario catches each one, or why none can.
+weights. ``tests/server/test_server_redteam.py`` says which scenario catches each one, or why none can.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 ENV = "REDTEAM_BUG"
 

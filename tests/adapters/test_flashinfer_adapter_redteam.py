@@ -2,7 +2,7 @@
 in-process through the emulator (FlashInfer 0.7.4's W4A16 API on CPU, answering SM100): each must fail a named
 conformance check, and the unmodified adapter must pass the same cases (the probes would otherwise prove nothing).
 
-Complements tests/test_flashinfer_emulated_tier.py (two slips, through the whole emulated tier in a subprocess):
+Complements tests/adapters/test_flashinfer_emulated_tier.py (two slips, through the whole emulated tier in a subprocess):
 these are cheaper and cover the rest of the adapter's layout and scale conventions. The emulator is strict where
 the real library is (exact 6-D MMA scale view size for cute-dsl, ``x_sf``/``fc2_input_scale`` must be None under
 W4A16) and computes from the bytes it is given, so a slip that keeps sizes right shows in the numbers."""
@@ -22,7 +22,7 @@ from conformance.moe.checks import check_moe_ep_sum, check_moe_within_bound, run
 from conformance.dense.cases import DENSE_CASES
 from conformance.moe.cases import MOE_CASES
 from reference_impl import nvfp4
-from tests.mutants.flashinfer_adapter import _padded_linear_scales
+from tests.adapters.flashinfer_mutants import _padded_linear_scales
 
 emulator = pytest.importorskip("reference_impl.flashinfer_emulator")
 

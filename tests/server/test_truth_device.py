@@ -14,7 +14,7 @@ import reference_impl.golden as golden_module
 from conformance.server.models import ModelCatalog, ServedModel, ensure_fixture_root
 from reference_impl.truth.engine import default_device, resolve_device
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 class _Reached(Exception):

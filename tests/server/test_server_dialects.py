@@ -19,7 +19,7 @@ from conformance.server.dialects import (
     make_dialect,
 )
 from fixtures.make_checkpoints import ensure_checkpoints
-from tests.live_reference_server import live_reference_server
+from tests.server.live_reference_server import live_reference_server
 
 PROMPTS = ("the city of water", "a new river and the old stone tree", "people of the north")
 GREEDY = SamplingSpec(max_new_tokens=6)

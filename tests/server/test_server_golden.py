@@ -7,7 +7,7 @@ what the reference model computes, and the derived bound accepts correct engines
   ``test_golden_values_reproduced`` (all values, every set) and ``test_golden_variances_reproduced``
   (variance proxies of one prompt of a dense and a MoE set).
 * ``test_correct_arithmetic_within_bound``: the reference's own BF16 serving path and an engine-like fp32
-  variant (tests/engine_variants.py) at TP1 and TP2 (in-process, partial sums rounded per rank) pass the
+  variant (tests/server/engine_variants.py) at TP1 and TP2 (in-process, partial sums rounded per rank) pass the
   comparison; the worst ratio is recorded (``bound_ratio``; below 0.5 on dense models, where rounding is
   the only difference; MoE near-tie routings can use more, or be explained by a branch).
 * ``test_golden_check_sees``: wrong logprobs, wrong weights and illegitimate divergences fail it;
@@ -154,7 +154,7 @@ VARIANTS = ["reference-bf16", "fp32-engine"]
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("family", ["dense-nvfp4_awq", "moe-w4a16_nvfp4", "dense-w4a16_nvfp4", "moe-nvfp4_awq"])
 def test_correct_arithmetic_within_bound(family, variant, tp, record_property):
-    from tests.engine_variants import Fp32EngineModel
+    from tests.server.engine_variants import Fp32EngineModel
 
     worst = 0.0
     for weight_set in ("a", "b"):

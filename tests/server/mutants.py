@@ -1,9 +1,9 @@
 """Deliberately broken reference servers (and correct-but-different ones) for the server scenarios.
 
-    python tests/mutant_servers.py --mutant NAME --model-path DIR --port P [server flags, --tp N too]
+    python tests/server/mutants.py --mutant NAME --model-path DIR --port P [server flags, --tp N too]
 
 Each mutant patches one behaviour of the reference server and must be rejected by the named scenario in
-tests/test_server_mutants.py; ``rebinding_reload`` and ``fp32_engine`` are correct and must be accepted.
+tests/server/test_server_mutants.py; ``rebinding_reload`` and ``fp32_engine`` are correct and must be accepted.
 The patch is applied in every rank (spawned ranks run :func:`_patched_worker` first).
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
@@ -226,8 +226,8 @@ def async_weight_swap() -> dict:
 
 
 def fp32_engine() -> dict:
-    """Correct but different arithmetic: a GPU engine's rounding choices (tests/engine_variants.py)."""
-    from tests.engine_variants import ENGINE_METHODS, Fp32EngineModel
+    """Correct but different arithmetic: a GPU engine's rounding choices (tests/server/engine_variants.py)."""
+    from tests.server.engine_variants import ENGINE_METHODS, Fp32EngineModel
 
     for name in ENGINE_METHODS:
         setattr(TinyModel, name, getattr(Fp32EngineModel, name))
@@ -522,7 +522,7 @@ def _patched_worker(mutant: str, rank: int, cfg) -> None:
 
 def main(argv: list[str]) -> int:
     if len(argv) < 2 or argv[0] != "--mutant" or argv[1] not in MUTANTS:
-        raise SystemExit(f"usage: mutant_servers.py --mutant {{{','.join(MUTANTS)}}} SERVER_FLAGS")
+        raise SystemExit(f"usage: tests/server/mutants.py --mutant {{{','.join(MUTANTS)}}} SERVER_FLAGS")
     kwargs = MUTANTS[argv[1]]()
     return server_main(argv[2:], worker_target=functools.partial(_patched_worker, argv[1]), **kwargs)
 

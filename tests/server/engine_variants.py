@@ -10,8 +10,8 @@ BF16 inference engine instead of the reference's fp64 accumulation:
 * MoE: the kernel-like fp32 reference (BF16 intermediate) instead of fp64;
 * LM head: BF16 logits (as SGLang's logits processor returns them before the fp32 log-softmax).
 
-It is a subclass, so importing it changes nothing; tests/mutant_servers.py installs its methods into the
-server process (``fp32_engine``) and tests/test_server_golden.py runs it in-process.
+It is a subclass, so importing it changes nothing; tests/server/mutants.py installs its methods into the
+server process (``fp32_engine``) and tests/server/test_server_golden.py runs it in-process.
 """
 from __future__ import annotations
 
@@ -88,5 +88,5 @@ class Fp32EngineModel(TinyModel):
         return (h[ends].float() @ self.w["lm_head.weight"].float().T).to(BF16).double()
 
 
-#: the methods tests/mutant_servers.py installs into TinyModel for the ``fp32_engine`` server
+#: the methods tests/server/mutants.py installs into TinyModel for the ``fp32_engine`` server
 ENGINE_METHODS = ("linear", "_proj", "rms_norm", "_attend", "dense_mlp", "moe", "logits", "last_logits")

@@ -22,7 +22,7 @@ from conformance.interfaces.server import ServerDialect
 from conformance.server.dialects import DIALECTS, make_dialect
 from conformance.server.models import ModelCatalog
 from conformance.server.scenarios import SCENARIOS_BY_ID, fresh_outputs, run_scenario
-from tests.live_reference_server import live_reference_server
+from tests.server.live_reference_server import live_reference_server
 
 pytestmark = pytest.mark.integration  # starts servers or whole pytest runs (ci/time_tests.py times them apart)
 

@@ -1,6 +1,6 @@
 """Layout bugs planted in the FlashInfer adapter (``conformance/adapters/flashinfer/kernel*.py``), as a pytest plugin for
-the emulated b200 tier's self-test (tests/test_flashinfer_emulated_tier.py): load it with
-``-p tests.mutants.flashinfer_adapter`` and name the bugs in ``$NVFP4_FLASHINFER_ADAPTER_MUTANTS``
+the emulated b200 tier's self-test (tests/adapters/test_flashinfer_emulated_tier.py): load it with
+``-p tests.adapters.flashinfer_mutants`` and name the bugs in ``$NVFP4_FLASHINFER_ADAPTER_MUTANTS``
 (comma-separated). Each is a classic integration slip that gives the kernel well-formed tensors of the right
 shapes and sizes, so only the numbers can catch it.
 

@@ -2,7 +2,7 @@
 dialect to a launched and to an attached reference server, runs the generation scenarios through it, skips
 the ones needing endpoints the API lacks with the API's reason (never a pass), and refuses an unknown API
 at start. (Every scenario through every dialect, and the mutants caught through each, are in
-tests/test_server_mutants.py; this module checks the wiring of the option.)"""
+tests/server/test_server_mutants.py; this module checks the wiring of the option.)"""
 from __future__ import annotations
 
 import os
@@ -15,11 +15,11 @@ import pytest
 from conformance.server.plugin import SERVER_API_ENV
 from conformance.server.dialects import DIALECTS
 from fixtures.make_checkpoints import ensure_checkpoints
-from tests.live_reference_server import live_reference_server
+from tests.server.live_reference_server import live_reference_server
 
 pytestmark = pytest.mark.integration  # starts servers or whole pytest runs (ci/time_tests.py times them apart)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TWO_SCENARIOS = "repeated_requests_deterministic or reload_different_weights"
 
 

@@ -1,6 +1,6 @@
 """The b200 tier rehearsed on the CPU (``pytest -m b200 --flashinfer-emulated``): the exact b200 code path with
 FlashInfer's entry points routed to the emulator passes, a layout bug planted in the FlashInfer adapter
-(tests/mutants/flashinfer_adapter.py) makes it fail in the check that owns that layout, and the reports mark the
+(tests/adapters/flashinfer_mutants.py) makes it fail in the check that owns that layout, and the reports mark the
 run EMULATED without counting a single test as a B200 result.
 
 Runs the real suite in subprocesses on a small slice (-k) of the dense and MoE modules."""
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.integration  # starts servers or whole pytest runs (ci/
 
 pytest_plugins = ["pytester"]
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MOE_IDS = ("t7_e8_k2_h192_i192", "t128_e8_k2_geglu", "t128_e8_k2_ep2")
 DENSE_IDS = ("flashinfer-cute-dsl-cpu-square-n192-k192", "flashinfer-cudnn-cpu-square-n192-k192")
 SLICE = " or ".join([f"flashinfer-cute-dsl-{i}" for i in MOE_IDS] + list(DENSE_IDS))
@@ -38,7 +38,7 @@ def _emulated_run(tmp_path: Path, mutants: str) -> tuple[subprocess.CompletedPro
     for var in ("NVFP4_CONFORMANCE_BACKEND", "NVFP4_FLASHINFER_EMULATED", "PYTEST_XDIST_WORKER_COUNT"):
         env.pop(var, None)
     cmd = [sys.executable, "-m", "pytest", "-m", "b200", "conformance/moe/test_moe.py", "conformance/dense/test_dense.py",
-           "--flashinfer-emulated", "-p", "tests.mutants.flashinfer_adapter", "-k", SELECT, "-q",
+           "--flashinfer-emulated", "-p", "tests.adapters.flashinfer_mutants", "-k", SELECT, "-q",
            "-p", "no:cacheprovider", "--report-dir", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     summary_path = tmp_path / "summary.json"

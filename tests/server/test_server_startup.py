@@ -6,7 +6,7 @@ Two places the HTTP stack can break: ``fastapi`` (imported before any rank, devi
 ``h11``, uvicorn's HTTP protocol (imported only when serving starts, after the ranks are up and the weights
 loaded: what used to keep a CUDA server alive until the start timeout). On an H200:
 
-    python -m pytest tests/test_server_startup.py -m "cuda or multi_gpu" -v
+    python -m pytest tests/server/test_server_startup.py -m "cuda or multi_gpu" -v
 """
 from __future__ import annotations
 
