@@ -58,7 +58,7 @@ def parse_junit(path: Path) -> dict[str, FileTiming]:
 
 def _file_from_classname(classname: str) -> str:
     parts = classname.split(".")
-    for n in range(len(parts), 0, -1):  # "tests.test_x.TestClass" -> tests/test_x.py
+    for n in range(len(parts), 0, -1):  # "tests.dense.test_x.TestClass" -> tests/dense/test_x.py
         candidate = "/".join(parts[:n]) + ".py"
         if (REPO / candidate).is_file():
             return candidate

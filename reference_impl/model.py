@@ -5,7 +5,7 @@ Why hand-written when transformers has these classes (the golden truth, :mod:`re
 transformers' own classes): a serving engine shards attention heads, MLP columns and experts over ranks and
 reduces partial sums; transformers' classes have no such sharding of NVFP4 weights with fp64 accumulation,
 and outputs must not depend on the batch or on the TP split (see serving mode below). Its exact mode is also
-the independent path the truth is checked against (tests/test_architectures.py).
+the independent path the truth is checked against (tests/reference/test_architectures.py).
 
 Precision conventions follow the Hugging Face implementations: RMSNorm statistics, rotary angles, attention
 softmax, the MoE router softmax and DeepSeek-V3's router GEMM and sigmoid are computed in fp32; everything else

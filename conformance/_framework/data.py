@@ -18,7 +18,7 @@ from types import ModuleType
 #: the installed name (setup.py maps the repository's fixtures/ to it), then the clone's own directory name
 DATA_PACKAGE = "nvfp4_conformance_fixtures"
 CLONE_PACKAGE = "fixtures"
-#: the files the suite reads, relative to :func:`data_root` (tests/test_package_data.py checks an installed wheel)
+#: the files the suite reads, relative to :func:`data_root` (tests/framework/test_package_data.py checks an installed wheel)
 REQUIRED = ("snapshots", "config_rules", "config_rules/profiles", "config_rules/upstream_expectations.json",
             "make_checkpoints.py")
 _MARKER = "NVFP4_CONFORMANCE_DATA"

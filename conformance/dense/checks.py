@@ -2,7 +2,7 @@
 
 Each is registered once (``@check("dense", ...)``, :mod:`conformance._framework.checks`): the conformance tests
 (``conformance/dense/test_dense.py``) run the checks registered for them on the backend under test; the
-self-tests (``tests/test_dense_mutants.py``) run them all on deliberately broken backends to prove each can fail,
+self-tests (``tests/dense/test_dense_mutants.py``) run them all on deliberately broken backends to prove each can fail,
 each mutant naming the check that must catch it.
 
 Non-finite policy (stated once, checked by :func:`check_nonfinite_policy`): activations are not quantized

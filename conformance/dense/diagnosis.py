@@ -17,7 +17,7 @@ and facts computed only when a check fails:
 Across cases (:data:`PATTERNS`, :func:`diagnose_dense_cases`): a check failing only where ``K % 64 != 0`` or
 ``N % 128 != 0``, only for ``M`` above some size, only on same-sign data, only with a bias / AWQ / strided
 activations / activations outside FP16's range. Every rule and pattern has a mutant that shows it
-(``tests/mutants/dense.py``, ``diagnosed_as``; red-team backends in ``tests/test_redteam_variants.py``).
+(``tests/dense/mutants.py``, ``diagnosed_as``; red-team backends in ``tests/dense/test_dense_redteam.py``).
 """
 from __future__ import annotations
 

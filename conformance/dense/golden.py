@@ -17,7 +17,7 @@ from conformance._framework.cases import case_for_backend
 from conformance.dense.cases import DenseCase, build_activations, build_layer
 from conformance._framework.snapshots import load_snapshot, snapshot_root, tensors_sha256
 
-#: Dense cases with a stored golden output (``tests/test_dense_snapshots.py`` writes them).
+#: Dense cases with a stored golden output (``tests/dense/test_dense_snapshots.py`` writes them).
 CANONICAL = ("cpu-k48-mult16-not64", "cpu-fused-qkv-3-scales", "cpu-awq-bias-3d")
 DENSE_GOLDEN_MODULE = "test_dense_snapshots"
 DENSE_GOLDEN_TEST = "test_dense_reference_golden"
@@ -51,7 +51,7 @@ def check_dense_golden(backend: Backend, case: DenseCase) -> ErrorFigures:
     layer, x = build_layer(case, "cpu"), build_activations(case, "cpu")
     assert inputs_sha256(layer, x) == golden["inputs_sha256"], (
         f"{case.id}: the inputs rebuilt here do not hash to the ones stored in {dense_golden_path(case.id)}: "
-        f"the case's input generator changed; regenerate the golden data on purpose (tests/test_dense_snapshots.py)"
+        f"the case's input generator changed; regenerate the golden data on purpose (tests/dense/test_dense_snapshots.py)"
     )
     device = case_for_backend(case, backend).device
     y = backend.run_dense(backend.prepare_dense(_on(layer, device), device), x.to(device))

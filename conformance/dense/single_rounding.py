@@ -27,7 +27,7 @@ Everything is measured against the exact value ``y*`` (fp64) and the contract's 
    2 delta``. So ``E[r^2] <= 1/12 + 4 delta^2`` whatever the accumulation error does, and ``r^2 <=
    (1/2 + delta)^2 <= 25/64``. Hoeffding: ``mean(r^2) > mean(1/12 + 4 delta^2) + t`` with probability
    ``<= exp(-2 n t^2 / (25/64)^2)``, ``t`` chosen for :data:`FALSE_FAILURE_PROBABILITY`.
-   Measured (tests/test_dense_mutants.py, six correct variants on every single-rounding cpu case): mean r^2
+   Measured (tests/dense/test_dense_mutants.py, six correct variants on every single-rounding cpu case): mean r^2
    0.082-0.086 (1/12 = 0.083), at most 0.84 of the limit; truncation ~0.33 and BF16 split-K partials
    0.16-0.56, 1.6-5.7x the limit.
 

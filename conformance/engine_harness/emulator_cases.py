@@ -2,7 +2,7 @@
 (``source``: file:function in FlashInfer 0.7.4), builds its inputs on a device, calls one entry point of
 an API namespace (the emulator, or the real ``flashinfer`` on a B200) and states the exception expected.
 
-``tests/test_emulator_validation.py`` runs them against the emulator (CPU); the ``b200`` tier of
+``tests/engine_harness/test_emulator_validation.py`` runs them against the emulator (CPU); the ``b200`` tier of
 ``conformance/engine_harness/test_emulator_vs_flashinfer.py`` runs the same cases against real FlashInfer, so the two
 can only agree by raising the same exception type. ``real_raises=False`` marks checks that exist only in
 the emulator, where the real kernel reads out of bounds (no defined outcome to compare with).

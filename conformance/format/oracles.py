@@ -183,7 +183,7 @@ def _as_uint_numpy(a) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------------------- oracle checks
-# Each check runs an implementation (the reference, or a mutant in tests/test_format_mutants.py) against one oracle
+# Each check runs an implementation (the reference, or a mutant in tests/format/test_format_mutants.py) against one oracle
 # and returns the first disagreement, or None. The self-tests assert None for the reference and a Mismatch for mutants.
 def check_e2m1_encode(encode, x: np.ndarray) -> Mismatch | None:
     """``encode`` (float32 tensor -> uint8 codes) against ml_dtypes on ``x``."""

@@ -1,6 +1,6 @@
 """The W4A16 fused-MoE checks: plain functions raising ``AssertionError`` with a readable report that starts
 with the check's name in brackets (``[moe_within_bound] ...``), so self-tests can tell which check caught
-a broken backend (``tests/test_moe_mutants.py``).
+a broken backend (``tests/moe/test_moe_mutants.py``).
 
 A case runs on every expert-parallel rank: rank ``r`` gets its slice of the experts
 (:func:`conformance.moe.cases.rank_slice`) and the full batch of tokens and global ids, and must return

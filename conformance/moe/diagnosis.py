@@ -8,8 +8,8 @@ tokens with a ``-1`` slot, only tokens with no expert on the rank, only tokens r
 whose hidden states lie outside FP16's range). A reading matches when every element of every failing rank is
 within the derived bound of that alternative's exact value. Across cases (:data:`PATTERNS`): a check failing only
 on ``-1`` ids, duplicate ids, expert-parallel ranks, untied gate/up scales, hidden states outside FP16's range.
-Every rule and pattern has a mutant that shows it (``tests/mutants/moe.py`` ``diagnosed_as``, red-team backends in
-``tests/test_redteam_variants.py``).
+Every rule and pattern has a mutant that shows it (``tests/moe/mutants.py`` ``diagnosed_as``, red-team backends in
+``tests/moe/test_moe_redteam.py``).
 """
 from __future__ import annotations
 

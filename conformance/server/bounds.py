@@ -52,7 +52,7 @@ def golden_bound(variance, tp: int = 1):
     probability ``2 exp(-LAMBDA^2 / 2)``. The variance proxies are ``sum_i (s_i c_i)^2`` per unit; at TPn the
     ``tpN`` proxy adds each rank's partial sum and the all-reduce's running sums, rounded to BF16 (TP sizes
     other than 2, 4, 8 use the next larger one). The reference's own BF16 path (one such engine) sits at
-    about a tenth of this bound on the fixtures (tests/test_server_golden.py records the ratio).
+    about a tenth of this bound on the fixtures (tests/server/test_server_golden.py records the ratio).
     """
     import torch
 

@@ -4,7 +4,7 @@ comparison of a server's generations with them.
 Where the golden outputs come from (see :mod:`reference_impl.golden` for what they hold):
 
 * fixture checkpoints: files ``fixtures/snapshots/_server_golden/<family>-<set>.tensors.json`` (the snapshot format of
-  conformance/_framework/snapshots.py), written by ``pytest tests/test_server_golden.py --snapshot-update`` and
+  conformance/_framework/snapshots.py), written by ``pytest tests/server/test_server_golden.py --snapshot-update`` and
   re-checked against the reference by that test module; each records the digest of the checkpoint it was
   made from, so a changed fixture is an error, not a silent mismatch;
 * a user's checkpoint (``--server-checkpoint``): computed by the reference model at session start.

@@ -5,7 +5,7 @@ the limit; 404 and 503 where an endpoint has them) and the shape of each answer,
 FastAPI builds the document from the routes; :func:`install` post-processes it: request bodies of the endpoints
 that parse their JSON themselves (``/v1/completions``, ``/collective_rpc``) are described, and every operation's
 ``responses`` are replaced from :data:`ANSWERS`. The schemas are deliberately open (extra fields allowed): they
-state what a client may rely on. ``tests/test_server_schema.py`` fuzzes the server from this document
+state what a client may rely on. ``tests/server/test_server_schema.py`` fuzzes the server from this document
 (schemathesis) and checks every answer against it.
 """
 from __future__ import annotations

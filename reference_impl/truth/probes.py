@@ -22,7 +22,7 @@ the exact bound's risk ``2 exp(-LAMBDA^2 / 2)`` (``LAMBDA`` = 6: 3.0e-8 per quan
 exact ``V`` at the same risk), 32: 8.16, 128: 6.45. Components with different units (BF16 ``2^-8``, fp32
 accumulation ``2^-23``, the TPn partial sums) are one Gaussian per element with the summed variance, so ``V`` is
 the quantity under the exact bound's square root. The estimate is unbiased (``E[V_hat] = V``);
-tests/test_truth_probes.py checks ``K V_hat / V`` against ``chi^2_K`` with the exact ``V`` of the fixtures.
+tests/reference/test_truth_probes.py checks ``K V_hat / V`` against ``chi^2_K`` with the exact ``V`` of the fixtures.
 
 **Cost.** One forward of ``K`` replicas with tangents (about three forwards' arithmetic each: primal, tangent,
 the weight term), independent of how many outputs are judged: every position's logprob, every gap, every

@@ -34,7 +34,7 @@ U_ACCUM = 2.0 ** -23
 KINDS = ("round", "act", "norm", "sum", "combine", "dot", "router", "linear", "linear_awq", "linear_exact")
 NUM_COMPONENTS = 2 + len(TP_SIZES)
 #: the weight term with the sensitivities' signs (exact) instead of |a| |x| (an upper bound, the default): only
-#: tests/test_truth_probes.py sets it, to compare the probes' unbiased estimate with its exact value
+#: tests/reference/test_truth_probes.py sets it, to compare the probes' unbiased estimate with its exact value
 WEIGHT_TERM_SIGNED = False
 _CHUNK_ELEMENTS = 1 << 25  # elements of one temporary of the weight term (256 MiB in fp64)
 
