@@ -5,12 +5,13 @@
 Each mutant patches one behaviour of the reference server and must be rejected by the named scenario in
 tests/server/test_server_mutants.py; ``rebinding_reload`` and ``fp32_engine`` are correct and must be accepted.
 The patch is applied in every rank (spawned ranks run :func:`_patched_worker` first).
+The scheduling and pace stand-ins are in tests/server/pace_mutants.py, the workload-class ones in
+tests/server/workload_mutants.py; ``MUTANTS`` here names them all.
 """
 from __future__ import annotations
 
 import functools
 import os
-import random
 import sys
 import threading
 import time
@@ -26,6 +27,21 @@ from reference_impl.server.__main__ import main as server_main  # noqa: E402
 from reference_impl.server.app import Scheduler  # noqa: E402
 from reference_impl.server.engine import Engine, GenerateResult  # noqa: E402
 from reference_impl.server.parallel import worker_main  # noqa: E402
+from tests.server.pace_mutants import (  # noqa: E402
+    cobatch_variant_only,
+    drops_one_request,
+    random_cobatching,
+    random_cobatching_batch_variant,
+    slow_3x,
+    slows_down,
+)
+from tests.server.workload_mutants import (  # noqa: E402
+    bucketed_reduction_order,
+    large_batch_stale_after_reload,
+    large_decode_batch_drops_k_block,
+    large_prefill_drops_k_block,
+    moe_expert_workspace_32,
+)
 
 
 def reload_keeps_old_weights() -> dict:
@@ -267,238 +283,6 @@ def accepts_damaged_block_scales() -> dict:
             if "block scale(s) that are NaN or negative" not in str(exc):
                 raise
     arch.check_tensors = check_tensors
-    return {}
-
-
-# ------------------------------------------------------------------ scheduling and pace stand-ins (issue 39)
-CALIBRATION_REQUESTS = 3  # the suite's first generate requests to a new server: fresh outputs, calibration, probe
-_JOBS_IN_FORWARD = [1]  # how many requests share the forward now running (read by the batch-variant patches)
-
-
-class _RandomCobatchingScheduler(Scheduler):
-    """Co-batches queued requests only when a coin says so (as a continuous-batching engine does depending on
-    timing): whether two concurrent requests share a forward is luck, different on every run."""
-
-    def _next_batch(self):
-        batch = super()._next_batch()
-        if len(batch) > 1 and random.random() < 0.5:
-            with self._cv:  # put the rest back, in order: they run in later forwards
-                for job in reversed(batch[1:]):
-                    self._jobs.appendleft(job)
-            batch = batch[:1]
-        return batch
-
-    def run_generate(self, batch):
-        _JOBS_IN_FORWARD[0] = len(batch)
-        try:
-            super().run_generate(batch)
-        finally:
-            _JOBS_IN_FORWARD[0] = 1
-
-
-def _perturb_logits(when) -> None:
-    original = TinyModel.last_logits
-
-    def last_logits(self, seqs):
-        out = original(self, seqs)
-        return out * (1.0 + 2.0 ** -10) if when(seqs) else out
-    TinyModel.last_logits = last_logits
-
-
-def random_cobatching() -> dict:
-    """Correct and batch invariant; co-batches concurrent requests at random. Must pass every run."""
-    return {"scheduler_cls": _RandomCobatchingScheduler}
-
-
-def random_cobatching_batch_variant() -> dict:
-    """Co-batches concurrent requests at random, and a forward of several sequences (an explicit batch or
-    co-batched requests) computes other logits than one alone. Must fail every run."""
-    _perturb_logits(lambda seqs: len(seqs) > 1)
-    return {"scheduler_cls": _RandomCobatchingScheduler}
-
-
-def cobatch_variant_only() -> dict:
-    """Explicit batches are batch invariant; only co-batched concurrent requests (several requests in one
-    forward, at random) compute other logits: visible only when the scheduler happens to co-batch."""
-    _perturb_logits(lambda seqs: _JOBS_IN_FORWARD[0] > 1)
-    return {"scheduler_cls": _RandomCobatchingScheduler}
-
-
-class _CountingScheduler(Scheduler):
-    generate_jobs = 0
-
-    def _next_batch(self):
-        batch = super()._next_batch()
-        return [job for job in batch if self._admit(job)]
-
-    def _admit(self, job) -> bool:
-        if job.kind == "generate":
-            type(self).generate_jobs += 1
-        return True
-
-
-class _SlowScheduler(_CountingScheduler):
-    """After the calibration requests every forward is slowed: by ``factor`` x its compute time, or by a fixed
-    ``sleep_s``. Always answers."""
-
-    factor, sleep_s = 1.0, 0.0
-
-    def run_generate(self, batch):
-        start = time.monotonic()
-        super().run_generate(batch)
-        if type(self).generate_jobs > CALIBRATION_REQUESTS:
-            time.sleep((self.factor - 1.0) * (time.monotonic() - start) + self.sleep_s)
-
-
-def slow_3x() -> dict:
-    """Every request after the calibration takes 3x its compute time. Must pass."""
-    return {"scheduler_cls": type("Slow3x", (_SlowScheduler,), {"factor": 3.0})}
-
-
-def slows_down() -> dict:
-    """After the calibration every forward takes 1 s more (a server whose machine got loaded): requests take
-    far longer than their calibrated limit, and so do the probes. Must pass: slow, not lost."""
-    return {"scheduler_cls": type("SlowsDown", (_SlowScheduler,), {"sleep_s": 1.0})}
-
-
-class _DroppingOneScheduler(_CountingScheduler):
-    """Every 4th generate request after the calibration is never answered (its job forgotten); the others,
-    /health and the probes are served as usual."""
-
-    def _admit(self, job) -> bool:
-        super()._admit(job)
-        n = type(self).generate_jobs
-        return not (job.kind == "generate" and n > CALIBRATION_REQUESTS and (n - CALIBRATION_REQUESTS) % 4 == 0)
-
-    def _next_batch(self):
-        while True:  # a batch whose every job was dropped: wait for the next
-            batch = super()._next_batch()
-            if batch or self._stop:
-                return batch
-
-
-def drops_one_request() -> dict:
-    """Loses one request in four after the calibration (never answers it). Must fail with "request lost"."""
-    return {"scheduler_cls": _DroppingOneScheduler}
-
-
-# ----------------------------------------------------------------------------------------- workload classes
-# A KV-cache engine computes a prefill forward over every prompt token (M = their sum), then one decode forward
-# per step over the running sequences (M = their count). The reference server recomputes whole prefixes at every
-# step; these mutants misbehave only in the forwards a KV-cache engine would run at those sizes.
-_FORWARD = {"phase": "prefill", "m": 0}  # the forward running now, as a KV-cache engine would size it
-
-
-def _track_forwards() -> None:
-    original = Engine.generate
-
-    def generate(self, requests):
-        model, calls = self.model, [0]
-        last, full = model.last_logits, model.logits
-
-        def last_logits(seqs):
-            phase = "prefill" if calls[0] == 0 else "decode"
-            _FORWARD.update(phase=phase, m=sum(len(q) for q in seqs) if phase == "prefill" else len(seqs))
-            calls[0] += 1
-            other = self._workload_model(phase) if hasattr(self, "_workload_model") else model
-            return last(seqs) if other is model else other.last_logits(seqs)
-
-        def logits(seqs):  # prompt logprobs: the prefill's outputs
-            _FORWARD.update(phase="prefill", m=sum(len(q) for q in seqs))
-            return full(seqs)
-        model.last_logits, model.logits = last_logits, logits
-        try:
-            return original(self, requests)
-        finally:
-            del model.last_logits, model.logits
-    Engine.generate = generate
-
-
-def _drops_k_block(phase: str, smallest_m: int) -> None:
-    """A GEMM tile that drops the last K block: in ``phase`` forwards of at least ``smallest_m`` (tokens or
-    sequences), every linear runs without its last 16 input columns."""
-    _track_forwards()
-    original = TinyModel.linear
-
-    def linear(self, x, prefix):
-        if _FORWARD["phase"] == phase and _FORWARD["m"] >= smallest_m:
-            x = x.clone()
-            x[..., -16:] = 0
-        return original(self, x, prefix)
-    TinyModel.linear = linear
-
-
-def large_prefill_drops_k_block() -> dict:
-    """A large-M GEMM tile that drops the last K block: prefill forwards above 128 tokens compute every linear
-    without its last 16 input columns (right at the scenarios' sizes: their prefills are <= 72 tokens)."""
-    _drops_k_block("prefill", 129)
-    return {}
-
-
-def large_decode_batch_drops_k_block() -> dict:
-    """The same tile fault in the decode: forwards of 17 or more running sequences compute every linear without
-    its last 16 input columns (the scenarios decode at most 8 at once)."""
-    _drops_k_block("decode", 17)
-    return {}
-
-
-def large_batch_stale_after_reload() -> dict:
-    """A batch bucket captured at start-up (a CUDA graph replaying stale weight pointers): decode forwards of 17
-    or more sequences keep computing with the start-up weights after a reload (the scenarios decode <= 8)."""
-    import copy
-
-    _track_forwards()
-    original = Engine.generate
-
-    def generate(self, requests):
-        if not hasattr(self, "_captured"):
-            self._captured = copy.deepcopy(self.model)  # the weights at the first request: the "graph"
-            self._workload_model = lambda phase: (self._captured if phase == "decode" and _FORWARD["m"] >= 17
-                                                  else self.model)
-        return original(self, requests)
-    Engine.generate = generate
-    return {}
-
-
-def moe_expert_workspace_32() -> dict:
-    """An MoE kernel whose per-expert workspace holds 32 tokens: in a prefill forward an expert that receives
-    more drops the rest (their contribution from that expert is lost). Decode forwards stay below it."""
-    _track_forwards()
-    original = TinyModel.route
-
-    def route(self, x, layer):
-        ids, weights = original(self, x, layer)
-        if _FORWARD["phase"] == "prefill":
-            weights = weights.clone()
-            for e in ids.unique().tolist():
-                tok, slot = torch.where(ids == e)
-                weights[tok[32:], slot[32:]] = 0
-        return ids, weights
-    TinyModel.route = route
-    return {}
-
-
-def bucketed_reduction_order() -> dict:
-    """Correct but different: every linear accumulates in fp32 with a split-K that depends on the forward's
-    token count (1 chunk up to 16 tokens, 4 to 128, 16 above; the chunks summed last to first), rounded once
-    as the reference does: each addition one fp32 rounding, inside the bounds' accumulation term."""
-    _track_forwards()
-
-    def linear(self, x, prefix):
-        xd = x.double()
-        pqs = self.w.get(f"{prefix}.pre_quant_scale")
-        if pqs is not None:
-            xd = xd * pqs.double()
-        w = (self._weight(prefix) * self._scale2(prefix)).float()
-        xf = xd.float()
-        m = _FORWARD["m"]
-        chunks = 1 if m <= 16 else 4 if m <= 128 else 16
-        step = -(-w.shape[1] // chunks)
-        acc = torch.zeros(xf.shape[0], w.shape[0], dtype=torch.float32, device=x.device)
-        for lo in reversed(range(0, w.shape[1], step)):
-            acc = acc + xf[:, lo:lo + step] @ w[:, lo:lo + step].T
-        return acc.double()
-    TinyModel.linear = linear
     return {}
 
 
