@@ -56,7 +56,7 @@ def measure(path: str, device: str, vocab: int) -> dict:
     """One measurement (run in a fresh process by :func:`child`)."""
     import torch
 
-    from reference_impl.golden import ExactModel
+    from reference_impl.truth.golden import ExactModel
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]

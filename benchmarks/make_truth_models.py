@@ -6,7 +6,7 @@ one; the files are then written at disk speed).
 
 Real configs (``config.json`` as the released models write it, depth optionally truncated by ``--layers``),
 ModelOpt's NVFP4 layout (``hf_quant_config.json``, LM head excluded); every tensor is the one
-:func:`reference_impl.architectures.checkpoint_specs` requires, so any architecture the truth supports can be
+:func:`reference_impl.model.architectures.checkpoint_specs` requires, so any architecture the truth supports can be
 written. Weights: uniformly random E2M1 codes (every byte pattern is two valid codes), E4M3 block scales in
 [0.5, 1), a global scale ``1 / (2.93 * 0.75 * sqrt(in_features))`` (2.93: the RMS of a uniform E2M1 code) so
 activations stay O(1); BF16 embeddings N(0, 1), LM head N(0, 4 / hidden), norms ``1 + N(0, 0.01)``.
@@ -27,8 +27,8 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from reference_impl.architectures import ModelConfig, checkpoint_specs  # noqa: E402
-from reference_impl.checkpoint import QuantConfig  # noqa: E402
+from reference_impl.model.architectures import ModelConfig, checkpoint_specs  # noqa: E402
+from reference_impl.model.checkpoint import QuantConfig  # noqa: E402
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}

@@ -78,7 +78,7 @@ def disk_rate(files: list[Path]) -> tuple[float, int]:
 def run(path: str, workload_name: str, device: str, budget_s: float, b_path: str | None = None,
         chunk: int = 64) -> dict:
     from conformance.server.workloads import load
-    from reference_impl.golden import ExactModel
+    from reference_impl.truth.golden import ExactModel
 
     workload = load(workload_name)
     cfg = json.loads((Path(path) / "config.json").read_text())

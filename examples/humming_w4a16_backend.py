@@ -333,7 +333,7 @@ def _warm_one(job: tuple) -> str:
     import time
 
     from conformance.perf.measure import random_experts
-    from reference_impl.nvfp4 import quantize_modelopt
+    from reference_impl.format.nvfp4 import quantize_modelopt
 
     start, device, backend = time.perf_counter(), torch.device("cuda"), HummingW4A16Backend()
     if job[0] == "dense":

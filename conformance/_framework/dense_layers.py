@@ -15,7 +15,7 @@ from typing import Literal
 
 import torch
 
-from reference_impl.nvfp4 import (
+from reference_impl.format.nvfp4 import (
     BLOCK_SIZE,
     E2M1_MAX,
     E4M3_MAX,

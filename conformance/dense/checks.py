@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from reference_impl.dense import dense_alpha, w4a16_linear_exact
-from reference_impl.nvfp4 import E2M1_MAGNITUDES
+from reference_impl.format.nvfp4 import E2M1_MAGNITUDES
 
 from conformance.interfaces.kernel import Backend, DenseLayer
 from conformance._framework.checks import check, register_area, view

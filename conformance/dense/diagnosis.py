@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from reference_impl.dense import w4a16_linear_exact
-from reference_impl.nvfp4 import swizzle_offsets, swizzled_shape
+from reference_impl.format.nvfp4 import swizzle_offsets, swizzled_shape
 
 from conformance._framework.diagnosis import (CaseOutcome, Diagnosis, Evidence, Pattern, Rule, diagnose, diagnose_cases,
                                               appending_diagnoses)
@@ -213,7 +213,7 @@ def _reading_matches(run, layers: list[DenseLayer], y: torch.Tensor) -> bool:
 
 
 def _transposed_matches(run, y: torch.Tensor) -> bool:
-    from reference_impl.nvfp4 import codes_times_block_scales
+    from reference_impl.format.nvfp4 import codes_times_block_scales
 
     layer = run.layer
     w = codes_times_block_scales(layer.weight, layer.weight_scale).double()

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from reference_impl.nvfp4 import quantize_kernel
+from reference_impl.format.nvfp4 import quantize_kernel
 
 from conformance.engine_harness.cases import EngineMoECase, build_moe_checkpoint, build_moe_inputs
 from conformance.engine_harness.checks import check_output_within_bound, moe_reference

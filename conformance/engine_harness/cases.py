@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from reference_impl.nvfp4 import E2M1_MAX, E4M3_MAX, quantize_modelopt
+from reference_impl.format.nvfp4 import E2M1_MAX, E4M3_MAX, quantize_modelopt
 
 from conformance._framework.dense_layers import DenseCase
 from conformance.engine_harness.core import MoECheckpoint, Mode

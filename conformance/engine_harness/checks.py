@@ -4,7 +4,7 @@ computed straight from the checkpoint tensors (never from the engine's prepared 
 * dense W4A16: ``y* = ((x * pqs) @ W^T) * max(weight_scale_2) + bias`` (docs/contracts.md section 2), judged by
   :func:`reference_impl.bounds.dense.dense_error_bound`.
 * dense W4A4: the activations ``x' = bf16(x * pqs)`` are NVFP4-quantized with the kernel recipe and the
-  global encode scale ``1 / max(input_scale)`` (bit-exact, :func:`reference_impl.nvfp4.quantize_kernel`),
+  global encode scale ``1 / max(input_scale)`` (bit-exact, :func:`reference_impl.format.nvfp4.quantize_kernel`),
   ``y* = (q(x') @ W^T) * (max(input_scale) * max(weight_scale_2)) + bias``, evaluated exactly; the same
   dense bound applies with ``x'`` replaced by the exact dequantized codes (``e2m1 * e4m3``: exact in bf16).
 * MoE W4A16: :func:`reference_impl.bounds.moe.moe_error_bound` on this rank's experts.
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from reference_impl.dense import w4a16_linear_exact
-from reference_impl.nvfp4 import BLOCK_SIZE, e2m1_decode, e4m3_decode, quantize_kernel, unpack_nibbles
+from reference_impl.format.nvfp4 import BLOCK_SIZE, e2m1_decode, e4m3_decode, quantize_kernel, unpack_nibbles
 
 from conformance.interfaces.kernel import DenseLayer
 from reference_impl.bounds.dense import dense_error_bound, error_figures

@@ -21,7 +21,7 @@ from conformance._framework.selection import flashinfer_platform
 from conformance.engine_harness.emulator_cases import BAD_INPUT_CASES, BadInputCase, emulator_api, flashinfer_api
 from conformance.engine_harness.cases import EngineMoECase, build_moe_checkpoint, build_moe_inputs
 from reference_impl.dense import w4a16_linear_exact
-from reference_impl.nvfp4 import quantize_modelopt, swizzle_128x4, to_cutedsl_w13
+from reference_impl.format.nvfp4 import quantize_modelopt, swizzle_128x4, to_cutedsl_w13
 
 pytestmark = pytest.mark.needs_real_flashinfer
 _B200 = [pytest.mark.b200]
@@ -99,7 +99,7 @@ MOE_ROUTINGS = ("topk", "duplicate_ids", "padding_ids")
 @pytest.mark.parametrize("case", MOE_CASES, ids=[c.id for c in MOE_CASES])
 def test_moe_agrees_within_bound(case: EngineMoECase, routing: str):
     from reference_impl.bounds.moe import moe_error_bound
-    from reference_impl.routing import duplicate_slots, padding_slots
+    from reference_impl.moe.routing import duplicate_slots, padding_slots
 
     api = _real_api()
     reason = flashinfer_platform(installed=True).moe_skip_reason("cuda")

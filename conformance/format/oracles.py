@@ -1,4 +1,4 @@
-"""Independent oracles for the NVFP4 format: what the reference (``reference_impl.nvfp4``) is checked against.
+"""Independent oracles for the NVFP4 format: what the reference (``reference_impl.format.nvfp4``) is checked against.
 
 Nothing here calls the reference. Each oracle is the format's definition written another way:
 

@@ -1,4 +1,4 @@
-"""NVFP4 format conformance of the reference (``reference_impl.nvfp4``), docs/contracts.md section 1.
+"""NVFP4 format conformance of the reference (``reference_impl.format.nvfp4``), docs/contracts.md section 1.
 
 Thin: the cases and their derivations live in :mod:`conformance.format.cases`; the independent definitions in
 :mod:`conformance.format.oracles`. The ``cuda`` cases re-run the encoders on a GPU and demand bit-identical results.
@@ -16,7 +16,7 @@ from conformance.format import inputs as I
 from conformance._framework.cases import as_params
 from conformance.format.oracles import compare_bits, swizzle_by_tiles, swizzle_offset_spec
 from conformance._framework.snapshots import Approx
-from reference_impl import nvfp4 as F
+from reference_impl.format import nvfp4 as F
 
 
 def _encode(fmt: str, x: torch.Tensor) -> torch.Tensor:

@@ -17,8 +17,8 @@ from typing import Any, Literal
 
 import torch
 
-from reference_impl.moe_experts import MoEActivation as _MoEActivation
-from reference_impl.moe_experts import MoEExperts as _MoEExperts
+from reference_impl.moe.experts import MoEActivation as _MoEActivation
+from reference_impl.moe.experts import MoEExperts as _MoEExperts
 
 Device = torch.device | str
 
@@ -50,7 +50,7 @@ class DenseLayer:
 
 
 #: The experts of one MoE layer on one rank, in checkpoint form: one record for the suite and the reference
-#: (defined in :mod:`reference_impl.moe_experts`, the bottom layer, so the reference's own experts are the same type)
+#: (defined in :mod:`reference_impl.moe.experts`, the bottom layer, so the reference's own experts are the same type)
 MoEExperts = _MoEExperts
 MoEActivation = _MoEActivation
 

@@ -27,8 +27,8 @@ from typing import Literal
 import torch
 
 from reference_impl.moe import is_gated
-from reference_impl.nvfp4 import E2M1_MAX, E4M3_MAX, quantize_modelopt
-from reference_impl.routing import duplicate_slots, padding_slots, route_all_to_one, sigmoid_topk_with_bias, softmax_topk  # noqa: F401
+from reference_impl.format.nvfp4 import E2M1_MAX, E4M3_MAX, quantize_modelopt
+from reference_impl.moe.routing import duplicate_slots, padding_slots, route_all_to_one, sigmoid_topk_with_bias, softmax_topk  # noqa: F401
 
 from conformance.interfaces.kernel import CaseInfo, MoEExperts
 from conformance._framework.cases import WithinBound

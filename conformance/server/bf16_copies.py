@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from reference_impl.checkpoint import CONFIG, HF_QUANT_CONFIG
-from reference_impl.nvfp4 import codes_times_block_scales
+from reference_impl.model.checkpoint import CONFIG, HF_QUANT_CONFIG
+from reference_impl.format.nvfp4 import codes_times_block_scales
 
 INDEX_FILE = "model.safetensors.index.json"
 QUANT_FIELDS = ("weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale")
@@ -89,7 +89,7 @@ def write_bf16_copy(src: str | Path, dst: str | Path) -> CopyReport:
     checkpoint is read at once (a linear's tensors may lie in different shards); one file is written."""
     from safetensors.torch import save_file
 
-    from reference_impl.checkpoint import read_tensors
+    from reference_impl.model.checkpoint import read_tensors
 
     src, dst = Path(src), Path(dst)
     dst.mkdir(parents=True, exist_ok=False)
@@ -119,7 +119,7 @@ def copy_tensor_name(original_tensor: str) -> str:
 def verify_corrupt_copy(b_copy: str, corrupt_copy: str, tensor: str) -> None:
     """Raise AssertionError unless ``corrupt_copy`` is ``b_copy`` minus exactly ``tensor``, every other
     tensor byte for byte the same (the copies' side of conformance.server.derive.verify_corrupt)."""
-    from reference_impl.checkpoint import read_tensors
+    from reference_impl.model.checkpoint import read_tensors
 
     b, c = read_tensors(b_copy), read_tensors(corrupt_copy)
     missing, extra = set(b) - set(c), set(c) - set(b)

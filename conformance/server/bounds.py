@@ -28,7 +28,7 @@ def tp_logprob_bound(num_layers: int, tp: int, max_abs_logit: float) -> float:
 
 
 # ----------------------------------------------------------------------------------------- golden outputs
-#: Unit roundoffs of the error model of reference_impl/golden.py: BF16 stores (8 significant bits) and fp32
+#: Unit roundoffs of the error model of reference_impl/truth/golden.py: BF16 stores (8 significant bits) and fp32
 #: accumulation (one ulp per addition: tensor cores truncate, see reference_impl/bounds/dense.py's U_ACCUM).
 GOLDEN_U_BF16 = U_BF16
 GOLDEN_U_ACCUM = U_ACCUM
@@ -40,13 +40,13 @@ GOLDEN_TP_SIZES = TP_SIZES
 
 def golden_bound(variance, tp: int = 1):
     """Bound on ``|engine - golden|`` of a quantity (logprob, logit gap, router-logit gap) with variance
-    proxies ``variance[..., (bf16, accum, tp2, tp4, tp8)]`` from :mod:`reference_impl.golden`.
+    proxies ``variance[..., (bf16, accum, tp2, tp4, tp8)]`` from :mod:`reference_impl.truth.golden`.
 
     Derivation. To first order an engine's value differs from the exact one (fp64, no rounding) by
     ``sum_i s_i e_i``, one term per rounding it makes: ``s_i`` is the sensitivity (the reference's exact
     gradient), ``|e_i| <= u c_i`` the rounding's bound (``u = 2^-8`` for a BF16 store, ``2^-23`` for an fp32
     addition; ``c_i`` the magnitude of the rounded quantity: the stored value, the dequantized weight,
-    ``sum |x w|`` of a dot product; see the module docstring of reference_impl/golden.py). With rounding
+    ``sum |x w|`` of a dot product; see the module docstring of reference_impl/truth/golden.py). With rounding
     errors independent and mean zero (Higham and Mary 2019, the model behind probabilistic rounding error
     analysis), Hoeffding's inequality bounds the sum by ``LAMBDA * sqrt(sum_i (u s_i c_i)^2)`` except with
     probability ``2 exp(-LAMBDA^2 / 2)``. The variance proxies are ``sum_i (s_i c_i)^2`` per unit; at TPn the

@@ -150,7 +150,7 @@ def verify(corruption: Corruption, b: str, damaged: str, tensor: str, bf16: bool
     """Raise AssertionError unless ``damaged`` is ``b`` with exactly ``corruption`` (every other tensor byte for
     byte the same) and, for NVFP4 checkpoints, the reference loader refuses it for that reason. BF16 copies are
     not NVFP4 checkpoints the reference loads: their damage is checked tensor by tensor only."""
-    from reference_impl.checkpoint import CheckpointError, load_checkpoint, read_tensors
+    from reference_impl.model.checkpoint import CheckpointError, load_checkpoint, read_tensors
     from reference_impl.model import validate_checkpoint
 
     shard = _shard_of(Path(b), tensor)

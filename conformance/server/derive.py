@@ -135,7 +135,7 @@ def verify_corrupt(b: str, corrupt: str, tensor: str) -> None:
     """Raise AssertionError unless ``corrupt`` is ``b`` minus exactly ``tensor`` and the reference loader
     rejects it for that tensor (so a failed reload fails for the intended reason, not a missing directory
     or an unreadable file)."""
-    from reference_impl.checkpoint import CheckpointError, load_checkpoint
+    from reference_impl.model.checkpoint import CheckpointError, load_checkpoint
     from reference_impl.model import validate_checkpoint
 
     if not Path(corrupt).is_dir():

@@ -1,7 +1,7 @@
 """Golden truth for the server scenarios: the reference model's greedy outputs for :data:`PROMPTS`, and the
 comparison of a server's generations with them.
 
-Where the golden outputs come from (see :mod:`reference_impl.golden` for what they hold):
+Where the golden outputs come from (see :mod:`reference_impl.truth.golden` for what they hold):
 
 * fixture checkpoints: files ``fixtures/snapshots/_server_golden/<family>-<set>.tensors.json`` (the snapshot format of
   conformance/_framework/snapshots.py), written by ``pytest tests/server/test_server_golden.py --snapshot-update`` and
@@ -59,7 +59,7 @@ def snapshot_path(family: str, weight_set: str) -> Path:
 
 # ----------------------------------------------------------------------------------------- (de)serialization
 def golden_entries(g, prompts: tuple[str, ...] = PROMPTS) -> dict:
-    """Snapshot entries of a :class:`reference_impl.golden.GoldenSet` (ids exact, floats within the
+    """Snapshot entries of a :class:`reference_impl.truth.golden.GoldenSet` (ids exact, floats within the
     tolerances above)."""
     why_v = f"fp32 transcendentals may differ by an ulp across CPU libraries: |d| < {VALUE_ATOL} (conformance/server/golden.py)"
     why_var = f"sums of squares of the same quantities: relative {VARIANCE_RTOL} (conformance/server/golden.py)"
@@ -79,7 +79,7 @@ def golden_entries(g, prompts: tuple[str, ...] = PROMPTS) -> dict:
 
 
 def golden_from_entries(entries: dict):
-    from reference_impl.golden import GoldenSet
+    from reference_impl.truth.golden import GoldenSet
 
     n = len([k for k in entries if k.startswith("prompt_ids_")])
     return GoldenSet(entries["checkpoint_digest"], [entries[f"prompt_ids_{i}"].tolist() for i in range(n)],
@@ -90,7 +90,7 @@ def golden_from_entries(entries: dict):
 def compute_golden(path: str, prompt_ids: list[list[int]], variances: bool = True, device: str | None = None,
                    candidates: list[list[int]] | None = None):
     """The golden outputs of checkpoint ``path`` by the reference model (what the snapshots hold)."""
-    from reference_impl.golden import ExactModel
+    from reference_impl.truth.golden import ExactModel
 
     return ExactModel(path, device).golden(prompt_ids, MAX_NEW_TOKENS, variances=variances, candidates=candidates)
 
@@ -110,14 +110,14 @@ class GoldenTruth:
 
     label: str
     path: str
-    golden: object  # reference_impl.golden.GoldenSet
+    golden: object  # reference_impl.truth.golden.GoldenSet
     _exact: object = field(default=None, repr=False)
     device: str | None = None  # where the reference model runs (--truth-device; None: CUDA if available)
     _forced: dict = field(default_factory=dict, repr=False)  # (prompt, continuation, temperature) -> ForcedPath
 
     def exact(self):
         if self._exact is None:
-            from reference_impl.golden import ExactModel
+            from reference_impl.truth.golden import ExactModel
 
             self._exact = ExactModel(self.path, self.device)
             if self._exact.digest != self.golden.checkpoint_digest:

@@ -189,7 +189,7 @@ class ModelCatalog:
         """Start-up checks of every user checkpoint: one the reference can serve (every tensor it needs, no
         KV-cache quantization, BF16 unquantized tensors: reference_impl/model.validate_checkpoint reads them
         all once), and a tokenizer present and fitting."""
-        from reference_impl.checkpoint import CheckpointError, load_checkpoint
+        from reference_impl.model.checkpoint import CheckpointError, load_checkpoint
         from reference_impl.model import validate_checkpoint
 
         for c in self.checkpoints:
@@ -253,8 +253,8 @@ class ModelCatalog:
         return self._truths[key]
 
     def _snapshot(self, model: ServedModel, weight_set: str) -> GoldenTruth:
-        from reference_impl.checkpoint import read_tensors
-        from reference_impl.golden import checkpoint_digest
+        from reference_impl.model.checkpoint import read_tensors
+        from reference_impl.truth.golden import checkpoint_digest
 
         path = model.path(weight_set)
         golden = load_fixture_golden(model.name, weight_set)
@@ -271,7 +271,7 @@ class ModelCatalog:
     def _computed(self, model: ServedModel, weight_set: str) -> GoldenTruth:
         """Golden outputs by the reference model, once per session (cached in the work directory)."""
         from conformance._framework.snapshots import deserialize_entries, serialize_entries
-        from reference_impl.golden import ExactModel
+        from reference_impl.truth.golden import ExactModel
 
         from conformance.server.golden import golden_entries, golden_from_entries
 

@@ -145,7 +145,7 @@ def reference_logit_scale(model_path: str, tokenizer_json: str, prompt_sets: lis
     import torch
     from tokenizers import Tokenizer
 
-    from reference_impl.checkpoint import load_checkpoint
+    from reference_impl.model.checkpoint import load_checkpoint
     from reference_impl.model import TinyModel, shard_weights, validate_checkpoint
 
     ckpt = load_checkpoint(model_path)

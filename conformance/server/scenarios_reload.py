@@ -160,7 +160,7 @@ def generate_during_reload(ctx: ScenarioContext) -> None:
 
 def _one_prompt(truth: GoldenTruth, i: int) -> GoldenTruth:
     """The golden truth restricted to prompt ``i`` (same checkpoint, same on-demand model)."""
-    from reference_impl.golden import GoldenSet
+    from reference_impl.truth.golden import GoldenSet
 
     g = truth.golden
     sub = GoldenSet(g.checkpoint_digest, [g.prompt_ids[i]], *(t[i:i + 1] for t in (

@@ -3,7 +3,7 @@ against the reference by teacher forcing over the engine's own tokens, and the c
 
 For one answer (prompt ``P``, the engine's continuation ``C``, the prompt logprobs and the generated tokens'
 logprobs it returned) the truth is one teacher-forced pass over ``P + C``
-(:meth:`reference_impl.golden.ExactModel.teacher_forced`): at every row the reference's logprob of the next token
+(:meth:`reference_impl.truth.golden.ExactModel.teacher_forced`): at every row the reference's logprob of the next token
 and its best token, with variance estimates from forward-mode probes (:mod:`reference_impl.truth.probes`).
 
 Checks, per row ``k`` (the prediction of token ``k + 1``), bound ``LAMBDA_K sqrt(V_hat)``
@@ -190,7 +190,7 @@ def _heat_map(d: dict, path: Path) -> Path | None:
 
 class WorkloadJudge:
     """Judges answers against one checkpoint per weight set (``exact[weight set]``: an
-    :class:`reference_impl.golden.ExactModel`), adding to ``coverage``."""
+    :class:`reference_impl.truth.golden.ExactModel`), adding to ``coverage``."""
 
     def __init__(self, exact: dict, coverage: Coverage, tp: int = 1, probes: int | None = None):
         from reference_impl.truth.probes import DEFAULT_PROBES, probe_lambda

@@ -28,7 +28,7 @@ MIXED_DELAY_S = 0.05  # the long prompt follows the short requests by this much 
 
 
 def exact_model(path: str, device: str | None):
-    from reference_impl.golden import ExactModel
+    from reference_impl.truth.golden import ExactModel
 
     with _LOCK:
         if path not in _EXACT:

@@ -6,7 +6,7 @@ dense, per backend tag), :class:`CuteDslMoEWrapper` (W4A16 fused MoE), :func:`co
 :func:`block_scale_interleave`, and the W4A4 path :func:`fp4_quantize` / :func:`nvfp4_quantize` /
 :func:`mm_fp4`. Arguments are checked as FlashInfer checks them (same exception types, same order, messages
 alike); results are the suite's reference (:mod:`reference_impl.dense`, :mod:`reference_impl.moe`,
-:func:`reference_impl.nvfp4.quantize_kernel`). The emulated GPU is SM100 unless
+:func:`reference_impl.format.nvfp4.quantize_kernel`). The emulated GPU is SM100 unless
 ``FLASHINFER_EMULATOR_CC`` or :func:`emulated_capability` says otherwise.
 
 :func:`flashinfer_module_tree` returns module objects named like FlashInfer's (``flashinfer``,
@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import types
 
-from ._device import BackendSupportedError, current_capability, emulated_capability
-from .fused_moe import ActivationType, CuteDslMoEWrapper
-from .gemm import BF16_FP4_BACKENDS, mm_bf16_fp4, prepare_bf16_fp4_weights
-from .layouts import (
+from reference_impl.flashinfer_emulator._device import BackendSupportedError, current_capability, emulated_capability
+from reference_impl.flashinfer_emulator.fused_moe import ActivationType, CuteDslMoEWrapper
+from reference_impl.flashinfer_emulator.gemm import BF16_FP4_BACKENDS, mm_bf16_fp4, prepare_bf16_fp4_weights
+from reference_impl.flashinfer_emulator.layouts import (
     block_scale_interleave,
     convert_sf_from_mma_layout,
     convert_sf_to_mma_layout,
     get_mma_sf_shape,
 )
-from .w4a4 import SfLayout, fp4_quantize, mm_fp4, nvfp4_quantize
+from reference_impl.flashinfer_emulator.w4a4 import SfLayout, fp4_quantize, mm_fp4, nvfp4_quantize
 
 #: The FlashInfer release whose API this package emulates.
 EMULATED_FLASHINFER_VERSION = "0.7.4"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ..moe import ExpertWeights, fused_moe_w4a16
-from ..nvfp4 import BLOCK_SIZE, from_cutedsl_w13
-from .layouts import linear_scales_from_swizzled_bytes, raw_bytes
+from reference_impl.moe import ExpertWeights, fused_moe_w4a16
+from reference_impl.format.nvfp4 import BLOCK_SIZE, from_cutedsl_w13
+from reference_impl.flashinfer_emulator.layouts import linear_scales_from_swizzled_bytes, raw_bytes
 
 _SWAP_AB_GROUP_ROWS = 16  # swap_ab=True: up16/gate16 row groups (CuteDslMoEWrapper docstring)
 _DEFAULT_GROUP_ROWS = 64  # swap_ab=False: up64/gate64 row groups

@@ -218,7 +218,7 @@ class CuteDslMoEWrapper:
             raise ValueError(
                 f"w1_weight dim 1 must be {gemm1_rows} for {self.activation_type.name}, got {w1_weight.size(1)}"
             )
-        from ._moe_compute import run_w4a16_experts
+        from reference_impl.flashinfer_emulator._moe_compute import run_w4a16_experts
 
         return run_w4a16_experts(self, x, token_selected_experts, token_final_scales,
                                  w1_weight, w1_weight_sf, w1_alpha, w2_weight, w2_weight_sf, w2_alpha)

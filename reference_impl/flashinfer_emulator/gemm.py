@@ -14,9 +14,9 @@ from typing import Literal, Optional
 
 import torch
 
-from ..dense import w4a16_linear
-from ._device import BackendSupportedError, current_capability, current_major_minor, uses_sm100_layout
-from .layouts import convert_sf_from_mma_layout, convert_sf_to_mma_layout, linear_scales_from_swizzled_bytes
+from reference_impl.dense import w4a16_linear
+from reference_impl.flashinfer_emulator._device import BackendSupportedError, current_capability, current_major_minor, uses_sm100_layout
+from reference_impl.flashinfer_emulator.layouts import convert_sf_from_mma_layout, convert_sf_to_mma_layout, linear_scales_from_swizzled_bytes
 
 BF16_FP4_BACKENDS = ("cudnn", "cute-dsl", "cute-dsl-native", "blackwell-native", "blackwell-tiled")
 #: The ``backend`` annotation of ``mm_bf16_fp4`` (FlashInfer's ``_Bf16Fp4Backend``): callers read the offered

@@ -1,7 +1,7 @@
 """Scale-factor layouts the W4A16 entry points exchange (FlashInfer 0.7.4 ``flashinfer.cute_dsl.utils``
 and ``flashinfer.quantization``), written from the layout definitions in docs/contracts.md section 1.
 
-* 128x4 swizzle: 512-byte atoms of 128 rows x 4 scale columns; see :func:`reference_impl.nvfp4.swizzle_128x4`.
+* 128x4 swizzle: 512-byte atoms of 128 rows x 4 scale columns; see :func:`reference_impl.format.nvfp4.swizzle_128x4`.
 * MMA layout: a *view* of the swizzled bytes of ``num_groups`` matrices, logical shape
   ``(32, 4, m_tiles, 4, k_tiles, num_groups)``, physical order ``(num_groups, m_tiles, k_tiles, 32, 4, 4)``.
   A kernel reading it through ``data_ptr()`` sees exactly the swizzled bytes, expert after expert.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..nvfp4 import swizzle_128x4, unswizzle_128x4
+from reference_impl.format.nvfp4 import swizzle_128x4, unswizzle_128x4
 
 
 def _ceil_div(a: int, b: int) -> int:

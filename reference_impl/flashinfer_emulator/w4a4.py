@@ -1,6 +1,6 @@
 """The W4A4 path, so an engine's NVFP4 (activation-quantized) path runs on the emulator too:
 ``fp4_quantize`` / ``nvfp4_quantize`` (FlashInfer's kernel recipe, bit-exact via
-:func:`reference_impl.nvfp4.quantize_kernel`) and ``mm_fp4`` (both operands NVFP4, fp32 accumulation).
+:func:`reference_impl.format.nvfp4.quantize_kernel`) and ``mm_fp4`` (both operands NVFP4, fp32 accumulation).
 
 Scope: NVFP4 (``sf_vec_size=16``, E4M3 scales), 128x4 and linear scale layouts, per-tensor global scale.
 MXFP4, the 8x4 layout, per-token activation scales and the TRT-LLM shuffled weight layout are not
@@ -13,9 +13,9 @@ from typing import Optional
 
 import torch
 
-from ..nvfp4 import BLOCK_SIZE, e2m1_decode, quantize_kernel, swizzle_128x4, unpack_nibbles
-from ._device import BackendSupportedError, current_capability
-from .layouts import linear_scales_from_swizzled_bytes
+from reference_impl.format.nvfp4 import BLOCK_SIZE, e2m1_decode, quantize_kernel, swizzle_128x4, unpack_nibbles
+from reference_impl.flashinfer_emulator._device import BackendSupportedError, current_capability
+from reference_impl.flashinfer_emulator.layouts import linear_scales_from_swizzled_bytes
 
 _NOT_MODELLED = "flashinfer_emulator does not model {}"
 

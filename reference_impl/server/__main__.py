@@ -8,7 +8,7 @@ import threading
 import traceback
 from pathlib import Path
 
-from .parallel import LaunchConfig, RankRuntime, Topology, free_port, worker_main
+from reference_impl.server.parallel import LaunchConfig, RankRuntime, Topology, free_port, worker_main
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -71,7 +71,7 @@ def launch(args: argparse.Namespace, runtime_cls=RankRuntime, scheduler_cls=None
     import uvicorn
     from tokenizers import Tokenizer
 
-    from .app import Scheduler, create_app
+    from reference_impl.server.app import Scheduler, create_app
 
     try:
         topo = Topology(args.tp, args.dp, args.ep)

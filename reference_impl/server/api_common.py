@@ -2,7 +2,7 @@
 submitting a generate batch to the scheduler."""
 from __future__ import annotations
 
-from .engine import EngineError, GenerateRequest, GenerateResult
+from reference_impl.server.engine import EngineError, GenerateRequest, GenerateResult
 
 MAX_BODY_BYTES = 1 << 20
 MAX_BATCH = 64

@@ -20,11 +20,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException  # what FastAPI raises for a body it cannot parse
 
-from . import native_api, openai_api, openapi, vllm_api
-from .api_common import MAX_BATCH, MAX_BODY_BYTES, BadRequest
-from .engine import MEMORY_TAGS
-from .guard import RequestGuard, error_response, internal_error
-from .outputs import Detokenizer
+from reference_impl.server import native_api, openai_api, openapi, vllm_api
+from reference_impl.server.api_common import MAX_BATCH, MAX_BODY_BYTES, BadRequest
+from reference_impl.server.engine import MEMORY_TAGS
+from reference_impl.server.guard import RequestGuard, error_response, internal_error
+from reference_impl.server.outputs import Detokenizer
 
 
 class UpdateWeightsIn(BaseModel):

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..checkpoint import load_checkpoint
-from ..model import Comm, Layout, ModelConfig, TinyModel, shard_weights, validate_checkpoint
-from .logprobs import InputLogprobs, LogprobRequest, Pairs, position_extras, score_prompt
+from reference_impl.model.checkpoint import load_checkpoint
+from reference_impl.model import Comm, Layout, ModelConfig, TinyModel, shard_weights, validate_checkpoint
+from reference_impl.server.logprobs import InputLogprobs, LogprobRequest, Pairs, position_extras, score_prompt
 
 SAMPLING_EPS = 1e-6  # SGLang's rule, applied to every API: a temperature below this is greedy
 

@@ -17,12 +17,12 @@ from typing import Any, Callable
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .api_common import MAX_BATCH, MAX_NEW_TOKENS, MAX_STOP_STRINGS, BadRequest, check_prompt, run_generate
-from .engine import SAMPLING_EPS, GenerateRequest, SamplingParams
+from reference_impl.server.api_common import MAX_BATCH, MAX_NEW_TOKENS, MAX_STOP_STRINGS, BadRequest, check_prompt, run_generate
+from reference_impl.server.engine import SAMPLING_EPS, GenerateRequest, SamplingParams
 
 MAX_TOKEN_IDS_LOGPROB = 256  # named token ids per prompt: 20,000 made a 4.7 MB answer for 8 tokens
-from .logprobs import LogprobRequest
-from .outputs import Completion, Detokenizer, TextOptions, compile_stop_regex
+from reference_impl.server.logprobs import LogprobRequest
+from reference_impl.server.outputs import Completion, Detokenizer, TextOptions, compile_stop_regex
 
 
 # Fields whose null SGLang replaces by the default (SamplingParams.__post_init__).

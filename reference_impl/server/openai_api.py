@@ -25,10 +25,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .api_common import MAX_BATCH, MAX_NEW_TOKENS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, BadRequest, check_prompt, run_generate
-from .engine import GenerateRequest, SamplingParams
-from .logprobs import LogprobRequest
-from .outputs import Completion, Detokenizer, TextOptions
+from reference_impl.server.api_common import MAX_BATCH, MAX_NEW_TOKENS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, BadRequest, check_prompt, run_generate
+from reference_impl.server.engine import GenerateRequest, SamplingParams
+from reference_impl.server.logprobs import LogprobRequest
+from reference_impl.server.outputs import Completion, Detokenizer, TextOptions
 
 LOGPROB_FLOOR = -9999.0  # vLLM: -inf is not JSON; it reports this instead
 

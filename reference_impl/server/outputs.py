@@ -18,9 +18,9 @@ from pathlib import Path
 
 import regex  # the `re` syntax, with a timeout that interrupts catastrophic backtracking and no GIL held
 
-from .api_common import BadRequest
-from .engine import GenerateResult
-from .logprobs import InputLogprobs, Pairs
+from reference_impl.server.api_common import BadRequest
+from reference_impl.server.engine import GenerateResult
+from reference_impl.server.logprobs import InputLogprobs, Pairs
 
 #: the time all of a request's stop-regex searches may take together: a pattern that still backtracks
 #: catastrophically under `regex` ("(.*){1,32000}[QX]") fails the request with a 400 instead of holding the server

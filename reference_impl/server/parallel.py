@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..model import Comm, Layout
-from .engine import Engine, EngineError
+from reference_impl.model import Comm, Layout
+from reference_impl.server.engine import Engine, EngineError
 
 
 @dataclass(frozen=True)

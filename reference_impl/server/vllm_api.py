@@ -29,7 +29,7 @@ import asyncio
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse
 
-from .api_common import BadRequest
+from reference_impl.server.api_common import BadRequest
 
 VLLM_SLEEP_TAGS = ("weights", "kv_cache")  # vllm/v1/executor/abstract.py SLEEP_TAGS
 REFERENCE_TAGS = {"weights": ["weights"], "kv_cache": ["kv_cache", "cuda_graph"]}

@@ -18,16 +18,16 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..architectures import ModelConfig, checkpoint_specs, check_servable
+from reference_impl.model.architectures import ModelConfig, checkpoint_specs, check_servable
 from pathlib import Path
 
-from .. import compressed_tensors
-from ..checkpoint import HF_QUANT_CONFIG, check_tensors, read_configs
-from . import instrument
-from .hf import classes, hf_config
-from .instrument import Recorder, RouteDecision, decisions_per_layer, recording, slot
-from .stores import NUM_COMPONENTS, Store
-from .weights import CheckpointFiles, DeviceWeights, TranslatedFiles
+from reference_impl.model import compressed_tensors
+from reference_impl.model.checkpoint import HF_QUANT_CONFIG, check_tensors, read_configs
+from reference_impl.truth import instrument
+from reference_impl.truth.hf import classes, hf_config
+from reference_impl.truth.instrument import Recorder, RouteDecision, decisions_per_layer, recording, slot
+from reference_impl.truth.stores import NUM_COMPONENTS, Store
+from reference_impl.truth.weights import CheckpointFiles, DeviceWeights, TranslatedFiles
 
 #: rows of one batched backward (bounds the gradient temporaries: [chunk, *largest store])
 DEFAULT_CHUNK = 256

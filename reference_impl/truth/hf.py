@@ -1,4 +1,4 @@
-"""transformers' own classes for each architecture (reference_impl.architectures), built from a checkpoint's
+"""transformers' own classes for each architecture (reference_impl.model.architectures), built from a checkpoint's
 ``config.json`` without the model hub: the config, and the modules the truth instantiates one at a time."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import importlib
 from dataclasses import dataclass
 from types import ModuleType
 
-from ..architectures import MODEL_TYPES, ModelConfig
+from reference_impl.model.architectures import MODEL_TYPES, ModelConfig
 
 _CLASS_PREFIX = {"llama": "Llama", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral",
                  "deepseek_v3": "DeepseekV3"}

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..architectures import ModelConfig
-from ..routing import allowed_by_groups, group_scores
-from .stores import Store
+from reference_impl.model.architectures import ModelConfig
+from reference_impl.moe.routing import allowed_by_groups, group_scores
+from reference_impl.truth.stores import Store
 
 NAME = "nvfp4_truth"
 _ACTIVE: contextvars.ContextVar["Recorder | None"] = contextvars.ContextVar("nvfp4_truth_recorder", default=None)

@@ -1,6 +1,6 @@
 """Variance proxies of every output at once, by forward-mode random probes: the truth at workload scale.
 
-The rounding model (reference_impl/golden.py) gives an engine's deviation of a quantity ``f`` as, to first order,
+The rounding model (reference_impl/truth/golden.py) gives an engine's deviation of a quantity ``f`` as, to first order,
 ``d = sum_i s_i e_i`` over its rounding errors ``|e_i| <= u_i c_i`` (independent, mean zero), so ``d`` is
 sub-Gaussian with variance proxy ``V = sum_i (s_i u_i c_i)^2`` (Hoeffding). :mod:`reference_impl.truth.engine`
 computes ``V`` exactly with one batched backward per output: ``F`` outputs of a ``T``-token sequence cost ``F``
@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.autograd.forward_ad as fwAD
 
-from . import instrument
-from .instrument import Recorder, RouteDecision, recording, slot
-from .stores import TP_SIZES, U_ACCUM, U_BF16, covering_tp, error_weights
+from reference_impl.truth import instrument
+from reference_impl.truth.instrument import Recorder, RouteDecision, recording, slot
+from reference_impl.truth.stores import TP_SIZES, U_ACCUM, U_BF16, covering_tp, error_weights
 
 #: probes per sequence: the bound is 16 % wider than with the exact variance (module docstring)
 DEFAULT_PROBES = 64

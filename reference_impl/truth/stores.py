@@ -1,6 +1,6 @@
 """The rounding model behind the golden bounds: one :class:`Store` per place where a serving engine keeps an
 intermediate in BF16, with the per-element error weights of each component of
-:data:`reference_impl.golden.COMPONENTS` (the derivation is in reference_impl/golden.py's docstring).
+:data:`reference_impl.truth.golden.COMPONENTS` (the derivation is in reference_impl/truth/golden.py's docstring).
 
 A store adds a zero perturbation leaf ``d_v`` to its value; the gradients ``df/dv`` of F outputs, stacked
 ``[F, *shape]``, give the store's contribution ``[F, components]`` to the variance proxies

@@ -4,7 +4,7 @@ dequantized on the device that needs them.
 * :class:`CheckpointFiles`: the tensor index over every ``*.safetensors`` file of a checkpoint directory; a
   tensor is read when asked for (:meth:`CheckpointFiles.get`); :meth:`CheckpointFiles.lazy` gives
   name -> :class:`LazyTensor` (dtype and shape from the file headers) for validation without reading data;
-  :meth:`CheckpointFiles.digest` is :func:`reference_impl.golden.checkpoint_digest` tensor by tensor.
+  :meth:`CheckpointFiles.digest` is :func:`reference_impl.truth.golden.checkpoint_digest` tensor by tensor.
 * :class:`DeviceWeights`: the packed tensors on the truth's device, kept there while they fit a byte budget
   (else read again from the files at every use), and :meth:`DeviceWeights.linear` -- the fp64 weight
   ``e2m1 * e4m3 * weight_scale_2 * pre_quant_scale`` (the AWQ scale folded into the columns:
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import CheckpointError
-from ..nvfp4 import codes_times_block_scales
+from reference_impl.model.checkpoint import CheckpointError
+from reference_impl.format.nvfp4 import codes_times_block_scales
 
 _DTYPES = {"U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
            "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "BF16": torch.bfloat16,
@@ -89,7 +89,7 @@ class CheckpointFiles:
 
 
 def _digest(files) -> str:
-    """sha256 over the sorted tensor names, dtypes, shapes and bytes (reference_impl.golden.checkpoint_digest),
+    """sha256 over the sorted tensor names, dtypes, shapes and bytes (reference_impl.truth.golden.checkpoint_digest),
     one tensor in memory at a time."""
     h = hashlib.sha256()
     for name in files.names():
@@ -172,11 +172,11 @@ class DeviceWeights:
 
 class TranslatedFiles:
     """A checkpoint whose tensors need translating to the ModelOpt layout first (compressed-tensors NVFP4A16:
-    other names, encode-convention global scales): read whole through :func:`reference_impl.checkpoint.
+    other names, encode-convention global scales): read whole through :func:`reference_impl.model.checkpoint.
     load_checkpoint`, then served from memory with :class:`CheckpointFiles`' interface."""
 
     def __init__(self, path: str | Path):
-        from reference_impl.checkpoint import load_checkpoint
+        from reference_impl.model.checkpoint import load_checkpoint
 
         self.path = str(path)
         self._tensors = load_checkpoint(path).tensors

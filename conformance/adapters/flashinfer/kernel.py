@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from reference_impl.dense import dense_alpha
-from reference_impl.nvfp4 import swizzle_128x4
+from reference_impl.format.nvfp4 import swizzle_128x4
 
 from conformance.interfaces.kernel import Backend, CaseInfo, DenseLayer, MoEExperts
 from conformance.adapters.flashinfer.platform import (  # noqa: F401 - load_flashinfer, REQUIRED_VERSION: public here too

@@ -9,7 +9,7 @@ and SGLang 0.5.23 (``modelopt_quant.py`` ``ModelOptNvFp4FusedMoEMethod``, ``moe_
 flashinfer_cutedsl.py``):
 
 * ``w1_weight [E, 2I, H/2]`` uint8: the halves ``[up; gate]`` interleaved in 64-row chunks
-  (up[0:64], gate[0:64], up[64:128], ...) -- ``reference_impl.nvfp4.to_cutedsl_w13``; non-gated (relu2)
+  (up[0:64], gate[0:64], up[64:128], ...) -- ``reference_impl.format.nvfp4.to_cutedsl_w13``; non-gated (relu2)
   weights are used as they are. Block scales follow the same row order.
 * scales: 128x4-swizzled per expert, then viewed in the MMA layout: ``convert_sf_to_mma_layout(flat,
   m=rows, k=cols, num_groups=E)`` is a 6-D strided *view* ``(32, 4, m_tiles, 4, k_tiles, E)`` of the
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from reference_impl.nvfp4 import W13_CHUNK_ROWS, swizzle_128x4, swizzled_shape, to_cutedsl_w13, unswizzle_128x4
+from reference_impl.format.nvfp4 import W13_CHUNK_ROWS, swizzle_128x4, swizzled_shape, to_cutedsl_w13, unswizzle_128x4
 
 from conformance.interfaces.kernel import CaseInfo, MoEExperts
 from conformance.adapters.flashinfer.platform import (  # noqa: F401 - the MoE gate lives with the platform's
@@ -228,7 +228,7 @@ def read_back_kernel_layout(layout: KernelMoEWeights, like: MoEExperts, chunk_ro
     one shared decode scale per expert). Used on CPU to test the layout, and by the mutants."""
     from dataclasses import replace
 
-    from reference_impl.nvfp4 import from_cutedsl_w13
+    from reference_impl.format.nvfp4 import from_cutedsl_w13
 
     chunk = chunk_rows or layout.chunk_rows
     e, rows1, hidden = layout.w1.shape[0], layout.w1.shape[1], layout.w1.shape[2] * 2

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from reference_impl.nvfp4 import W13_CHUNK_ROWS
+from reference_impl.format.nvfp4 import W13_CHUNK_ROWS
 from conformance.interfaces.flashinfer_platform import FlashInferPlatform
 from conformance.interfaces.hardware import Gpu, b200_emulated
 

@@ -1,7 +1,7 @@
 """The embedded reference backend: :mod:`reference_impl` math, CPU and CUDA.
 
 ``prepare_*`` decodes the checkpoint weights once into bf16 (exact); ``run_*`` runs bf16 GEMMs with fp32
-accumulation and fp32 epilogues (:mod:`reference_impl.dense`, :mod:`reference_impl.moe_grouped`)."""
+accumulation and fp32 epilogues (:mod:`reference_impl.dense`, :mod:`reference_impl.moe.grouped`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
@@ -12,7 +12,7 @@ import torch
 import reference_impl
 from reference_impl.dense import PreparedLinear, prepare_w4a16_linear, run_w4a16_linear
 from reference_impl.moe import check_moe_inputs
-from reference_impl.moe_grouped import PreparedExperts, prepare_experts, run_prepared_experts
+from reference_impl.moe.grouped import PreparedExperts, prepare_experts, run_prepared_experts
 
 from conformance.interfaces.kernel import Backend, DenseLayer, MoEExperts
 

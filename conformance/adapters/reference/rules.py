@@ -5,11 +5,11 @@ from typing import Any
 
 import torch
 
-from reference_impl import config_paths as P
-from reference_impl import config_rules as R
-from reference_impl import lm_head as L
-from reference_impl import reload as RL
-from reference_impl import vllm_rules as V
+from reference_impl.rules import sglang_paths as P
+from reference_impl.rules import sglang as R
+from reference_impl.rules import lm_head as L
+from reference_impl.rules import reload as RL
+from reference_impl.rules import vllm as V
 
 from conformance.interfaces.rules import Inputs, RulesEngine
 

@@ -12,7 +12,7 @@ What is called (looked up on vLLM's modules at call time, so a monkeypatched vLL
 
 The platform is stood in by :func:`conformance.adapters.vllm._import.emulated_platform` (CUDA, the case's compute
 capability); the probes that ask for compiled or optional packages are answered by the case's machine (see
-``reference_impl/vllm_rules.py``): CUTLASS FP4 compiled (``cutlass_scaled_mm_supports_fp4``: SM100 and newer),
+``reference_impl/rules/vllm.py``): CUTLASS FP4 compiled (``cutlass_scaled_mm_supports_fp4``: SM100 and newer),
 FlashInfer's CuTe DSL W4A16 GEMM present (``has_flashinfer_bf16_fp4``), ``humming`` installed or not
 (``has_humming``). Everything else (the b12x package, the experts' device checks) is vLLM's own answer.
 The SGLang-shaped matrices (SGLang env flags, A2A dispatch, ...) have no vLLM counterpart: this engine reports

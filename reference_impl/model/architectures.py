@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .checkpoint import Checkpoint, CheckpointError, QuantConfig, TensorSpec, check_tensors, linear_specs
-from .nvfp4 import BLOCK_SIZE
+from reference_impl.model.checkpoint import Checkpoint, CheckpointError, QuantConfig, TensorSpec, check_tensors, linear_specs
+from reference_impl.format.nvfp4 import BLOCK_SIZE
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
                  "MixtralForCausalLM": "mixtral", "DeepseekV3ForCausalLM": "deepseek_v3"}
@@ -29,7 +29,7 @@ REFUSED = {
     "NemotronHForCausalLM": (
         "hybrid Mamba-2 / attention layers: the Mamba-2 mixer (causal conv1d, selective state-space scan with "
         "exponentiated cumulative decays, gated RMSNorm) stores intermediates the reference's rounding model does "
-        "not describe (reference_impl/golden.py lists the stores it bounds), and the reference server has no BF16 "
+        "not describe (reference_impl/truth/golden.py lists the stores it bounds), and the reference server has no BF16 "
         "Mamba-2 path, so neither golden outputs with derived bounds nor a reference engine exist for it"),
     "DeepseekV2ForCausalLM": "DeepSeek-V2 routing (softmax group-limited, no score correction) is not implemented",
     "DeepseekV32ForCausalLM": "DeepSeek-V3.2's sparse attention indexer is not implemented",

@@ -69,9 +69,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .truth.engine import Output, Request, TruthModel
-from .truth.instrument import RouteDecision, decisions_per_layer
-from .truth.stores import NUM_COMPONENTS, TP_SIZES  # noqa: F401  (TP_SIZES re-exported)
+from reference_impl.truth.engine import Output, Request, TruthModel
+from reference_impl.truth.instrument import RouteDecision, decisions_per_layer
+from reference_impl.truth.stores import NUM_COMPONENTS, TP_SIZES  # noqa: F401  (TP_SIZES re-exported)
 
 #: Sensitivity components, in this order, in every ``*_var`` tensor (last dimension).
 COMPONENTS = ("bf16", "accum") + tuple(f"tp{tp}" for tp in TP_SIZES)
@@ -158,7 +158,7 @@ def digest_in_background(files) -> "concurrent.futures.Future[str]":
     checkpoint does not hash again. The digest itself still covers every byte."""
     from pathlib import Path
 
-    from .truth.weights import CheckpointFiles
+    from reference_impl.truth.weights import CheckpointFiles
 
     root = Path(files.path)
     key = (str(root.resolve()), type(files).__name__,
@@ -240,8 +240,8 @@ class ExactModel:
     def weights(self) -> dict[str, torch.Tensor]:
         """The checkpoint's tensors as the hand-written model takes them (read on first use)."""
         if self._weights is None:
-            from .checkpoint import load_checkpoint
-            from .model import shard_weights
+            from reference_impl.model.checkpoint import load_checkpoint
+            from reference_impl.model import shard_weights
 
             self._weights = shard_weights(self.cfg, load_checkpoint(self.path).tensors)
         return self._weights
@@ -327,7 +327,7 @@ class ExactModel:
         ``probes`` replicas (:mod:`reference_impl.truth.probes`; sequences of equal length share one) give every
         position's values and variance estimates. Memoized per question, like the other on-demand answers (an
         engine that gives the same continuation in several batches is judged once)."""
-        from .truth.probes import DEFAULT_PROBES, probe_sequences, route_outputs
+        from reference_impl.truth.probes import DEFAULT_PROBES, probe_sequences, route_outputs
 
         probes = probes or DEFAULT_PROBES
         keys = [("teacher", _ints(p), _ints(c), probes, tp, seed) for p, c in pairs]

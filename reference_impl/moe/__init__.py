@@ -22,10 +22,10 @@ weighted combine; the reference does not (it keeps fp32 until the final bf16 cas
 dequantized model (fp64, no intermediate rounding): the value error bounds are measured from.
 
 Evaluation: with fp32 accumulation (the default) the experts run as grouped GEMMs with fp32 accumulators
-(:mod:`reference_impl.moe_grouped`: bf16 GEMMs with fp32 output on CUDA; on CPU the exact sum of the exact
-products rounded once to fp32, :mod:`reference_impl.exact_dot`); a one-shot call decodes only the experts
+(:mod:`reference_impl.moe.grouped`: bf16 GEMMs with fp32 output on CUDA; on CPU the exact sum of the exact
+products rounded once to fp32, :mod:`reference_impl.dense.exact_dot`); a one-shot call decodes only the experts
 that receive tokens, a backend prepares all of its experts once. The fp64 evaluation visits the experts
-with tokens one at a time, its GEMMs are :func:`reference_impl.exact_dot.exact_matmul` (exact per slice,
+with tokens one at a time, its GEMMs are :func:`reference_impl.dense.exact_dot.exact_matmul` (exact per slice,
 slices added in a fixed order), and each token's slot contributions are added in slot order. Both are
 deterministic by construction: no result depends on a BLAS's summation order, the thread count or the load
 (see docs/moe.md, "Determinism"). Ids outside this rank's range (other ranks' experts, or negative padding
@@ -37,8 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .exact_dot import exact_matmul
-from .moe_experts import (  # noqa: F401 - public here since 0.1
+from reference_impl.dense.exact_dot import exact_matmul
+from reference_impl.moe.experts import (  # noqa: F401 - public here since 0.1
     ACTIVATIONS,
     GATED_ACTIVATIONS,
     SWIGLU_OAI_DEFAULTS,
@@ -50,7 +50,7 @@ from .moe_experts import (  # noqa: F401 - public here since 0.1
     apply_activation,
     local_expert_offset,
 )
-from .nvfp4 import BLOCK_SIZE, codes_times_block_scales
+from reference_impl.format.nvfp4 import BLOCK_SIZE, codes_times_block_scales
 
 @dataclass(frozen=True)
 class ExpertBatch:
@@ -160,8 +160,8 @@ def fused_moe_w4a16(
     check_moe_inputs(x, topk_ids, topk_weights, experts)
     if round_intermediate is None:
         round_intermediate = accum_dtype != torch.float64
-    if accum_dtype == torch.float32:  # bf16 grouped GEMMs, fp32 accumulation: reference_impl.moe_grouped
-        from .moe_grouped import prepare_experts, routed_local_experts, run_prepared_experts
+    if accum_dtype == torch.float32:  # bf16 grouped GEMMs, fp32 accumulation: reference_impl.moe.grouped
+        from reference_impl.moe.grouped import prepare_experts, routed_local_experts, run_prepared_experts
 
         active = routed_local_experts(topk_ids.to(x.device), experts)
         if expert_order is not None:  # no numeric effect there (the combine sums slots in a fixed order)

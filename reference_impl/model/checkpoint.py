@@ -16,7 +16,7 @@ A checkpoint directory holds ``config.json`` (the Hugging Face model config, opt
 Excluded modules (``exclude_modules`` / ``ignore``, with ``*`` wildcards) keep a plain float ``.weight``.
 compressed-tensors NVFP4A16 checkpoints (``quant_method: compressed-tensors``, ``nvfp4-pack-quantized``) are read
 as W4A16_NVFP4, their tensors renamed and their encode global scales inverted by
-:mod:`reference_impl.compressed_tensors`.
+:mod:`reference_impl.model.compressed_tensors`.
 Every malformed input raises :class:`CheckpointError` naming the file or the tensor.
 """
 from __future__ import annotations
@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from . import compressed_tensors
-from .nvfp4 import BLOCK_SIZE
+from reference_impl.model import compressed_tensors
+from reference_impl.format.nvfp4 import BLOCK_SIZE
 
 QUANT_ALGOS = ("NVFP4", "NVFP4_AWQ", "W4A16_NVFP4")
 GROUP_SIZE = BLOCK_SIZE
@@ -141,7 +141,7 @@ def read_configs(path: str | os.PathLike) -> tuple[dict, QuantConfig]:
 
 def _compressed_tensors_quant_config(root: Path, q: dict) -> QuantConfig:
     """A compressed-tensors NVFP4A16 checkpoint is W4A16_NVFP4 with its ``ignore`` modules excluded
-    (reference_impl/compressed_tensors.py)."""
+    (reference_impl/model/compressed_tensors.py)."""
     from safetensors import safe_open
 
     ignore = compressed_tensors.validate_config(q, str(root / CONFIG), CheckpointError)

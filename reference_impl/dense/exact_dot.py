@@ -8,7 +8,7 @@ BLAS repeats its choice, and one changed order flips the bf16 rounding of some o
 MoE's bf16 intermediate, of whole rows). The reference must not depend on that.
 
 How (:func:`exact_matmul`): every decoded weight ``w = e2m1 * e4m3`` is an integer multiple of ``q = 2^-10``
-with ``|w| <= 2688`` (:func:`reference_impl.nvfp4.codes_times_block_scales`), i.e. ``w = W q`` with ``|W| <=
+with ``|w| <= 2688`` (:func:`reference_impl.format.nvfp4.codes_times_block_scales`), i.e. ``w = W q`` with ``|W| <=
 W_MAX = 2688 * 1024 < 2^22``. Each row of the activations is cut into slices on a grid fixed by that row
 alone: with ``2^E`` the smallest power of two above the row's largest magnitude and ``g = 2^(E - b)``, slice
 1 is the row truncated to a multiple of ``g`` (an integer ``S`` times ``g`` with ``|S| < 2^b``); the

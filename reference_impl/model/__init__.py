@@ -1,4 +1,4 @@
-"""The reference server's model: the architectures of :mod:`reference_impl.architectures` written by hand with
+"""The reference server's model: the architectures of :mod:`reference_impl.model.architectures` written by hand with
 the reference W4A16 math in every linear, sharded for tensor / expert parallelism (docs/contracts.md section 6).
 
 Why hand-written when transformers has these classes (the golden truth, :mod:`reference_impl.truth`, runs
@@ -17,22 +17,22 @@ in ``act_dtype``. Two modes:
   summation order in practice, so the output is independent of batch composition and of the TP split.
 * ``act_dtype=torch.float64`` (exact): no BF16 rounding at all.
 
-Weights are sharded by :func:`reference_impl.architectures.shard_weights`; the collectives come from a
+Weights are sharded by :func:`reference_impl.model.architectures.shard_weights`; the collectives come from a
 ``Comm`` object so the model itself stays single-process code. The rotary tables and scales are in
-:mod:`reference_impl.rope`.
+:mod:`reference_impl.model.rope`.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from .architectures import (ARCHITECTURES, Layout, ModelConfig, checkpoint_specs, rope_parameters,  # noqa: F401
+from reference_impl.model.architectures import (ARCHITECTURES, Layout, ModelConfig, checkpoint_specs, rope_parameters,  # noqa: F401
                             shard_weights, validate_checkpoint)
-from .checkpoint import CheckpointError  # noqa: F401  (re-exported: callers catch it from here)
-from .moe import ExpertWeights, fused_moe_w4a16
-from .nvfp4 import dequantize
-from .rope import _rope_magnitude, mla_softmax_scale, rope_tables  # noqa: F401 - re-exported: the names this module offered
-from .routing import sigmoid_topk_with_bias, softmax_topk
+from reference_impl.model.checkpoint import CheckpointError  # noqa: F401  (re-exported: callers catch it from here)
+from reference_impl.moe import ExpertWeights, fused_moe_w4a16
+from reference_impl.format.nvfp4 import dequantize
+from reference_impl.model.rope import _rope_magnitude, mla_softmax_scale, rope_tables  # noqa: F401 - re-exported: the names this module offered
+from reference_impl.moe.routing import sigmoid_topk_with_bias, softmax_topk
 
 
 #: Largest fp64 size of a model's decoded experts that :class:`TinyModel` keeps between forwards.
@@ -110,7 +110,7 @@ class TinyModel:
         rounding). ``kind``, ``magnitude`` (a callable giving a tensor, or for linears the operands
         ``(x * pre_quant_scale, W * weight_scale_2)``), ``n`` (reduction length) and ``reduced`` (a
         tensor-parallel reduction output) describe the rounding for the error analysis of
-        :mod:`reference_impl.golden`; they are only evaluated when an observer is attached."""
+        :mod:`reference_impl.truth.golden`; they are only evaluated when an observer is attached."""
         out = value.to(self.act)
         if self.observer is not None:
             with torch.no_grad():
@@ -269,7 +269,7 @@ class TinyModel:
         return self._store(logits, "router", lambda: x.double().abs() @ g.abs().T, x.shape[-1])
 
     def route(self, x: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k expert ids and weights (:mod:`reference_impl.routing`), the weights stored."""
+        """Top-k expert ids and weights (:mod:`reference_impl.moe.routing`), the weights stored."""
         cfg = self.cfg
         logits = self.router_logits(x, layer)
         if logits.shape[0] == 0:

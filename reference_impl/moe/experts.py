@@ -2,7 +2,7 @@
 definition: ``conformance.interfaces.kernel.MoEExperts`` is this class; ``NVFP4Experts`` and ``ExpertWeights`` are
 its 0.2 names),
 :func:`apply_activation` and the expert-parallel offset. Shared by :mod:`reference_impl.moe` (the fused-MoE
-math) and :mod:`reference_impl.moe_grouped` (its grouped-GEMM evaluation), so neither imports the other's
+math) and :mod:`reference_impl.moe.grouped` (its grouped-GEMM evaluation), so neither imports the other's
 caller."""
 from __future__ import annotations
 

@@ -5,24 +5,24 @@ Same math as the per-expert description there, per (token, slot) pair routed to 
 ``h = bf16(act(g, u))`` (activation in fp32), ``o = (h @ W2_e^T) * s_2_e``, contribution ``o * w`` (fp32),
 and per token the sum of its contributions over its top-k slots in slot order (fp32), rounded once.
 
-* ``W = e2m1 * e4m3`` is decoded once into bf16, exactly (:func:`reference_impl.nvfp4.codes_times_block_scales`),
+* ``W = e2m1 * e4m3`` is decoded once into bf16, exactly (:func:`reference_impl.format.nvfp4.codes_times_block_scales`),
   so a bf16 GEMM with fp32 accumulation and fp32 output computes the same fp32 sum of exact products as an
   fp32 GEMM on the decoded weights.
 * Pairs are sorted by expert (one stable ``sort``; no per-token Python loop) and each GEMM is one grouped
-  GEMM over the experts' segments: on CUDA a Triton kernel (:mod:`reference_impl._triton_grouped_gemm`,
+  GEMM over the experts' segments: on CUDA a Triton kernel (:mod:`reference_impl.moe._triton_grouped_gemm`,
   fp32 output, decode scale and routing weight fused in its epilogue); on CUDA without Triton one
   ``torch.mm(..., out_dtype=torch.float32)`` (cuBLAS) per expert that has tokens; elsewhere (CPU) one
-  :func:`reference_impl.exact_dot.exact_matmul_fp32` per expert that has tokens (the exact sum of the exact
+  :func:`reference_impl.dense.exact_dot.exact_matmul_fp32` per expert that has tokens (the exact sum of the exact
   products, rounded once to fp32), then the same fp32 epilogue multiplies.
 * The combine writes each contribution to its (token, slot) row and adds the ``top_k`` rows of a token in
   slot order, one elementwise fp32 add per slot: no atomics, no reduction kernel, whatever order the
   experts ran in.
 
 Determinism, by construction: the same prepared experts and inputs give the same bits on every call. On
-CPU no sum depends on an order (:mod:`reference_impl.exact_dot`; a CPU BLAS may pick its K-sum order per
+CPU no sum depends on an order (:mod:`reference_impl.dense.exact_dot`; a CPU BLAS may pick its K-sum order per
 call, so per-expert fp32 GEMMs are not reproducible there); results are also independent of which experts
 were prepared, in which order, and of the token chunking. On CUDA the Triton kernel's tiles are fixed by the
-launch (:func:`reference_impl._triton_grouped_gemm.pick_config`: a function of the rows and experts only),
+launch (:func:`reference_impl.moe._triton_grouped_gemm.pick_config`: a function of the rows and experts only),
 each program owns its output tile and sums K in one loop over ``BLOCK_K`` steps (no split-K, no atomics);
 cuBLAS (no-Triton path) is run-to-run reproducible on one GPU model and toolkit (docs/moe.md). CUDA and CPU
 results may differ from each other: both are within the bound.
@@ -47,10 +47,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .dense import uses_cublas_fp32_gemm
-from .exact_dot import exact_matmul_fp32
-from .moe_experts import NVFP4Experts, apply_activation, is_gated, local_expert_offset
-from .nvfp4 import codes_times_block_scales
+from reference_impl.dense import uses_cublas_fp32_gemm
+from reference_impl.dense.exact_dot import exact_matmul_fp32
+from reference_impl.moe.experts import NVFP4Experts, apply_activation, is_gated, local_expert_offset
+from reference_impl.format.nvfp4 import codes_times_block_scales
 
 MOE_CHUNK_BYTES = 1 << 30
 #: Weights (w13 + w2) up to which the exact (CPU) path keeps an fp64 upcast next to the bf16 copy (128 MiB).
@@ -294,7 +294,7 @@ def _grouped_fp32(a, w, counts, seg_start, rows, scale_a, scale_b, split, *, a_r
     if out is None:
         out = torch.empty(rows, n, dtype=torch.float32, device=a.device)
     if a.dtype == torch.bfloat16 and _triton_ok(a.device):
-        from ._triton_grouped_gemm import grouped_gemm
+        from reference_impl.moe._triton_grouped_gemm import grouped_gemm
 
         return grouped_gemm(a, w, counts, seg_start, rows, scale_a, scale_b, split, out, a_rows=a_rows,
                             out_rows=out_rows, row_scale=row_scale)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .architectures import ModelConfig, rope_parameters
+from reference_impl.model.architectures import ModelConfig, rope_parameters
 
 
 def _rope_magnitude(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
@@ -38,7 +38,7 @@ _INV_FREQ_CACHE: dict[str, tuple[torch.Tensor, float]] = {}
 def _scaled_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     key = repr((cfg.rope_dim, cfg.max_position_embeddings, sorted(rope_parameters(cfg.hf_config).items())))
     if key not in _INV_FREQ_CACHE:
-        from .truth.hf import hf_config
+        from reference_impl.truth.hf import hf_config
 
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 

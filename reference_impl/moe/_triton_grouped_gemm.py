@@ -1,4 +1,4 @@
-"""A Triton grouped GEMM for the fp32-accumulating MoE reference on CUDA (:mod:`reference_impl.moe_grouped`).
+"""A Triton grouped GEMM for the fp32-accumulating MoE reference on CUDA (:mod:`reference_impl.moe.grouped`).
 
 ``out[row_out(j), n] = row_scale[j] * (col_scale(e, n) * sum_k A[row_a(j), k] * W[e, n, k])`` for the rows
 ``j`` of each expert's segment, ``e`` the segment's expert. bf16 operands, fp32 accumulation (``tl.dot``

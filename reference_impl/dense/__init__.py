@@ -8,14 +8,14 @@ How the reference evaluates it (the "BF16-dequant reference", :func:`prepare_w4a
 :func:`run_w4a16_linear` per call):
 
 * ``W = e2m1 * e4m3`` is decoded once into **bf16**, exactly (at most 6 significant bits in [2^-10, 2688]:
-  :func:`reference_impl.nvfp4.codes_times_block_scales`).
+  :func:`reference_impl.format.nvfp4.codes_times_block_scales`).
 * The GEMM runs on bf16 operands with fp32 accumulation: every product ``x_k * w_k`` (8 x 6 significant
   bits) is exact in fp32, so this is the same fp32 sum of exact products an fp32 GEMM on the decoded weight
   computes, at tensor-core speed. On CUDA (torch >= 2.8) it is one cuBLAS call with the epilogue fused:
   ``torch.addmm(bias, x, W^T, alpha=alpha)`` with a bf16 output (:func:`_addmm_bf16_out`: ``alpha * acc +
   bias`` in fp32, one conversion to bf16) when the output is bf16 and the bias bf16 or absent, otherwise
   ``torch.addmm(..., out_dtype=torch.float32)`` and one cast. Everywhere else (CPU, or a CUDA torch without
-  the fp32-output overload) the accumulator is :func:`reference_impl.exact_dot.exact_matmul_fp32`: the
+  the fp32-output overload) the accumulator is :func:`reference_impl.dense.exact_dot.exact_matmul_fp32`: the
   exact sum of the exact products, rounded to fp32 (fp64 GEMMs on exact slices of ``x``; small layers keep
   the fp64 upcast of ``W``, large ones upcast one row chunk at a time), then ``* alpha`` and ``+ bias`` in
   fp32, one rounding each. Folding alpha and bias into the GEMM epilogue rounds at most as often as a
@@ -33,7 +33,7 @@ How the reference evaluates it (the "BF16-dequant reference", :func:`prepare_w4a
 
 Determinism, by construction (``run_w4a16_linear`` on the same prepared layer and input gives the same bits,
 whatever the load, the thread count or the BLAS): on the exact path no sum depends on an order (see
-:mod:`reference_impl.exact_dot`: a CPU BLAS may choose its K-sum order per call, oneMKL by thread count and
+:mod:`reference_impl.dense.exact_dot`: a CPU BLAS may choose its K-sum order per call, oneMKL by thread count and
 ``MKL_DYNAMIC``, so an fp32 ``addmm`` is not reproducible there). On CUDA, one cuBLAS call per GEMM (two for
 AWQ, in a fixed order); cuBLAS documents bitwise-identical results from run to run on GPUs of the same
 architecture and SM count with the same toolkit (its exceptions -- atomics-mode routines, several streams
@@ -57,8 +57,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .exact_dot import exact_matmul, exact_matmul_fp32
-from .nvfp4 import BLOCK_SIZE, codes_times_block_scales
+from reference_impl.dense.exact_dot import exact_matmul, exact_matmul_fp32
+from reference_impl.format.nvfp4 import BLOCK_SIZE, codes_times_block_scales
 
 # Weight elements upcast at once (128 MiB in fp64) by the fp64 path and the CPU fallback: their extra
 # memory is one chunk of W, never a whole upcast layer.
@@ -119,7 +119,7 @@ _FP32_OUT_GEMM: dict[tuple[str, int | None], bool] = {}
 
 def uses_cublas_fp32_gemm(device: torch.device) -> bool:
     """Whether the fp32-accumulating GEMMs run as bf16 cuBLAS calls with fp32 output on ``device`` (CUDA with
-    :func:`has_fp32_out_bf16_gemm`); everywhere else they run as :func:`reference_impl.exact_dot.exact_matmul`
+    :func:`has_fp32_out_bf16_gemm`); everywhere else they run as :func:`reference_impl.dense.exact_dot.exact_matmul`
     (a BLAS's summation order is not reproducible on CPU; cuBLAS's is, module docstring)."""
     return device.type == "cuda" and has_fp32_out_bf16_gemm(device)
 
@@ -297,7 +297,7 @@ def w4a16_linear_exact(
 
     * ``y_exact = ((x * pqs) @ W^T) * alpha + bias`` evaluated in fp64. Every product ``x * pqs`` (bf16 times
       fp32: at most 32 significant bits) and ``x' * w`` (with ``w = e2m1 * e4m3``, 6 bits) is exact in fp64;
-      the K-sum is :func:`reference_impl.exact_dot.exact_matmul` (exact per slice, the slices added in a
+      the K-sum is :func:`reference_impl.dense.exact_dot.exact_matmul` (exact per slice, the slices added in a
       fixed order: the same bits on every run, thread count and device, within 2^-52 relative of the exact
       sum), then one fp64 rounding each for ``* alpha`` and ``+ bias``.
     * ``magnitude = (|x * pqs| @ |W|^T) * alpha`` (no bias): the scale of the accumulation error.

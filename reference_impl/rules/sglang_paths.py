@@ -4,14 +4,14 @@ quantization method a checkpoint's Hugging Face config selects, and how a ModelO
 checkpoint resolves each runtime module's format.
 
 Written from docs/contracts.md section 4 and the SGLang 0.5.23 code it points to (``CODE:`` marks a point that
-the code decides and the contract (docs/contracts.md) does not state). Same conventions as :mod:`reference_impl.config_rules`.
+the code decides and the contract (docs/contracts.md) does not state). Same conventions as :mod:`reference_impl.rules.sglang`.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-from .config_rules import env_true
+from reference_impl.rules.sglang import env_true
 
 # ---- CuTe DSL MoE runner: what the activations look like when they reach the kernel ----------------------
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from .moe import ExpertWeights
-from .nvfp4 import (
+from reference_impl.moe import ExpertWeights
+from reference_impl.format.nvfp4 import (
     E2M1_MAX,
     E4M3_MAX,
     FLOAT32_MAX,
