@@ -80,6 +80,19 @@ def fp16_rn(v: torch.Tensor) -> torch.Tensor:
     return v.half().float()
 
 
+def split_k(a: torch.Tensor, w: torch.Tensor, splits: int) -> list[torch.Tensor]:
+    """The fp32 partial GEMMs of a split-K: K cut into ``splits`` slices of ``ceil(K / splits)`` (the last one
+    shorter), one ``[M, N]`` partial each, in K order."""
+    k = a.shape[-1]
+    step = -(-k // splits)
+    return [a[:, s : s + step] @ w[:, s : s + step].T for s in range(0, k, step)]
+
+
+def awq_in_bf16(p: Prepared, x2: torch.Tensor) -> torch.Tensor:
+    """The activations times ``pre_quant_scale`` rounded to BF16 (as SGLang does), as fp32."""
+    return (x2 * p.pqs.bfloat16()).float() if p.pqs is not None else x2.float()
+
+
 class DenseRedTeam(Backend):
     """A pure-PyTorch W4A16 dense layer with hooks; the base computes it correctly (fp32 matmul, fp32 epilogue,
     one rounding). Subclasses override one hook each."""
@@ -190,9 +203,7 @@ class Bf16SplitK(DenseRedTeam):
     name = "rt-bf16-splitk2"
 
     def accumulate(self, p, a):
-        k = a.shape[-1]
-        step = -(-k // self.splits)
-        parts = [(a[:, s : s + step] @ p.w[:, s : s + step].T).bfloat16().float() for s in range(0, k, step)]
+        parts = [part.bfloat16().float() for part in split_k(a, p.w, self.splits)]
         return sum(parts[1:], parts[0])
 
 
@@ -211,11 +222,9 @@ class Bf16SplitKReducedInBf16(DenseRedTeam):
     name = "rt-bf16-splitk4-bf16-reduction"
 
     def accumulate(self, p, a):
-        k = a.shape[-1]
-        step = -(-k // 4)
         acc = None
-        for s in range(0, k, step):
-            part = ((a[:, s : s + step] @ p.w[:, s : s + step].T) * p.alpha).bfloat16()
+        for partial in split_k(a, p.w, 4):
+            part = (partial * p.alpha).bfloat16()
             acc = part if acc is None else (acc.float() + part.float()).bfloat16()
         return acc.float()
 

@@ -6,12 +6,14 @@ import torch
 
 from .redteam import (
     DenseRedTeam,
+    awq_in_bf16,
     block_scales,
     decode_codes,
     pairwise_fp32,
     products,
     round_toward_zero_fp32,
     sequential_fp32,
+    split_k,
 )
 
 
@@ -71,7 +73,7 @@ class Fp32DequantBf16Gemm(DenseRedTeam):
         return p
 
     def activations(self, p, x2):
-        return (x2 * p.pqs.bfloat16()).float() if p.pqs is not None else x2.float()
+        return awq_in_bf16(p, x2)
 
 
 class AlphaFoldedIntoScales(DenseRedTeam):
@@ -91,9 +93,7 @@ class SplitKFp32(DenseRedTeam):
     name = "rt-ok-splitk4-fp32"
 
     def accumulate(self, p, a):
-        k = a.shape[-1]
-        step = -(-k // self.splits)
-        parts = [a[:, s : s + step] @ p.w[:, s : s + step].T for s in range(0, k, step)]
+        parts = split_k(a, p.w, self.splits)
         return sum(parts[1:], parts[0])
 
 
@@ -125,7 +125,7 @@ class AwqBf16Prescale(DenseRedTeam):
     name = "rt-ok-awq-bf16"
 
     def activations(self, p, x2):
-        return (x2 * p.pqs.bfloat16()).float() if p.pqs is not None else x2.float()
+        return awq_in_bf16(p, x2)
 
 
 class Kahan(DenseRedTeam):
