@@ -19,6 +19,7 @@ from conformance.dense.cases import DenseCase
 from conformance.engine_harness.a2a_prefill import PREFILL_CASES, prefill_failures
 from conformance.engine_harness.cases import DENSE_CASES, MOE_CASES, EngineDenseCase
 from conformance.engine_harness.checks import failing_checks
+from tests.helpers import built_as_w4a4
 
 _CASES = {c.id: c for c in [*DENSE_CASES, *MOE_CASES]}
 _PREFILL = {c.id: c for c in PREFILL_CASES}
@@ -189,20 +190,8 @@ def _decode_scale_as_encode_scale(mp):
 
 def _w4a16_wrapper_built_as_w4a4(mp):
     """The CuTe DSL wrapper is built W4A4 whatever the W4A16 switch says: BF16 activations get quantized."""
-    import os
-
     fc = _cutedsl()
-    original = fc.ensure_cutedsl_wrapper
-
-    def ensure(layer):
-        saved = os.environ.pop("SGLANG_FLASHINFER_CUTEDSL_NVFP4_W4A16", None)
-        try:
-            original(layer)
-        finally:
-            if saved is not None:
-                os.environ["SGLANG_FLASHINFER_CUTEDSL_NVFP4_W4A16"] = saved
-
-    mp.setattr(fc, "ensure_cutedsl_wrapper", ensure)
+    mp.setattr(fc, "ensure_cutedsl_wrapper", built_as_w4a4(fc.ensure_cutedsl_wrapper))
 
 
 # ====================================================================================== vLLM: layer harness

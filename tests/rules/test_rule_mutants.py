@@ -6,6 +6,7 @@ import pytest
 
 from conformance.rules.matrix import DEFAULT_PROFILE, MATRICES, load_matrix, mismatch, profile_names, run_case
 from conformance.adapters.reference.rules import ReferenceRules
+from tests.helpers import built_as_w4a4
 from tests.rules.mutants import ACCEPTED_VARIANTS, MUTANTS, PROFILE_MUTANTS
 from tests.rules.redteam import REDTEAM_MUTANTS
 
@@ -115,7 +116,7 @@ def test_sglang_engine_runs_sglang_code():
         (engine.common, "alias_or_bind_derived_param", lambda m, s, d, v: engine.common.copy_or_rebind_param(m, d, v),
          "derived_param", "parameter-broadcast_row-before=absent"),
         (fu, "initialize_fp4_gemm_config", _always_cutlass(fu), "fp4_backend", "auto-sm100"),
-        (engine.cutedsl, "ensure_cutedsl_wrapper", _w4a4_wrapper(engine.cutedsl), "moe_activation",
+        (engine.cutedsl, "ensure_cutedsl_wrapper", built_as_w4a4(engine.cutedsl.ensure_cutedsl_wrapper), "moe_activation",
          "nvfp4_online-w4a16=1-per_token=0-none"),
         (engine.mq, "should_use_flashinfer_cutlass_moe_fp4_allgather", lambda: False, "fp4_dispatch",
          "runner=flashinfer_cutlass-a2a=none-w4a16=0-nvfp4_dispatch=0-dp_attention=on-per_token=0"),
@@ -153,19 +154,3 @@ def _always_cutlass(fu):
     def initialize():
         fu.FP4_GEMM_RUNNER_BACKEND = fu.Fp4GemmRunnerBackend.FLASHINFER_CUTLASS
     return initialize
-
-
-def _w4a4_wrapper(cutedsl):
-    """ensure_cutedsl_wrapper that builds the wrapper in W4A4 whatever the W4A16 switch says."""
-    original = cutedsl.ensure_cutedsl_wrapper
-
-    def ensure(layer):
-        import os
-
-        saved = os.environ.pop("SGLANG_FLASHINFER_CUTEDSL_NVFP4_W4A16", None)
-        try:
-            original(layer)
-        finally:
-            if saved is not None:
-                os.environ["SGLANG_FLASHINFER_CUTEDSL_NVFP4_W4A16"] = saved
-    return ensure
