@@ -12,31 +12,16 @@ import time
 import pytest
 import requests
 
-from conformance.server.dialects import make_dialect
 from conformance.server.golden import PROMPTS
-from conformance.server.launcher import REFERENCE_TEMPLATE, ServerProcess
-from conformance.server.models import ModelCatalog
-from conformance.server.scenarios import GREEDY_SPEC
+from tests.server.reference_process import assert_healthy_and_unchanged, reference_server_with_baseline
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def server():
-    model = ModelCatalog([], None, [], None).served("dense-nvfp4_awq")
-    proc = ServerProcess(REFERENCE_TEMPLATE, 120.0, model_path=model.a, tokenizer_path=model.tokenizer, tp=1, dp=1,
-                         ep=1, device="cpu")
-    client = make_dialect("sglang", proc.url)
-    baseline = client.generate(list(PROMPTS), GREEDY_SPEC)
-    yield proc.url, client, baseline
-    client.close()
-    proc.stop()
-
-
-def _unchanged(url: str, client, baseline) -> None:
-    assert requests.get(url + "/health", timeout=5).status_code == 200
-    after = client.generate(list(PROMPTS), GREEDY_SPEC)
-    assert [(g.ids, g.logprobs) for g in after] == [(g.ids, g.logprobs) for g in baseline], "outputs changed"
+    with reference_server_with_baseline() as (proc, _model, client, baseline):
+        yield proc.url, client, baseline
 
 
 def _post(url: str, path: str, body) -> requests.Response:
@@ -81,7 +66,7 @@ def test_hostile_request_is_a_4xx_naming_the_field(server, case):
     r = _post(url, path, body)
     assert r.status_code == status, (r.status_code, r.text[:300])
     assert named in r.text, r.text[:300]
-    _unchanged(url, client, baseline)
+    assert_healthy_and_unchanged(url, client, baseline)
 
 
 @pytest.mark.parametrize("api,body", [
@@ -104,7 +89,7 @@ def test_sampling_that_can_keep_no_token_is_greedy_on_both_apis(server, api, bod
         ids = r.json()["output_ids"] if r.status_code == 200 else None
     assert r.status_code == 200, r.text[:300]
     assert tuple(ids) == baseline[0].ids
-    _unchanged(url, client, baseline)
+    assert_healthy_and_unchanged(url, client, baseline)
 
 
 def test_chunked_body_over_the_limit_is_refused_on_the_bytes_read(server):
@@ -121,7 +106,7 @@ def test_chunked_body_over_the_limit_is_refused_on_the_bytes_read(server):
     r = requests.post(url + "/generate", data=chunks(), headers={"content-type": "application/json"}, timeout=60)
     assert r.status_code == 413 and "request body over" in r.text, (r.status_code, r.text[:200])
     assert r.headers.get("connection", "").lower() == "close"
-    _unchanged(url, client, baseline)
+    assert_healthy_and_unchanged(url, client, baseline)
 
 
 @pytest.mark.parametrize("pattern,refused", [
@@ -156,7 +141,7 @@ def test_catastrophic_stop_regex_never_delays_health(server, pattern, refused):
     else:
         assert r.status_code == 200, (r.status_code, r.text[:300])
     assert latencies and max(latencies) < 1.0, f"/health took up to {max(latencies):.2f} s meanwhile"
-    _unchanged(url, client, baseline)
+    assert_healthy_and_unchanged(url, client, baseline)
 
 
 def test_an_unhandled_error_is_a_500_that_closes_the_connection():

@@ -16,11 +16,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from conformance.server.dialects import make_dialect
-from conformance.server.golden import PROMPTS
-from conformance.server.launcher import REFERENCE_TEMPLATE, ServerProcess
-from conformance.server.models import ModelCatalog
-from conformance.server.scenarios import GREEDY_SPEC
+from tests.server.reference_process import assert_healthy_and_unchanged, reference_server_with_baseline
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(not (Path(sys.executable).parent / "st").is_file(),
@@ -34,14 +30,8 @@ MAX_TIME_S = "15"  # a generation the fuzzer makes valid may ask for 64 prompts 
 
 @pytest.fixture(scope="module")
 def server():
-    model = ModelCatalog([], None, [], None).served("dense-nvfp4_awq")
-    proc = ServerProcess(REFERENCE_TEMPLATE, 120.0, model_path=model.a, tokenizer_path=model.tokenizer, tp=1, dp=1,
-                         ep=1, device="cpu")
-    client = make_dialect("sglang", proc.url)
-    baseline = client.generate(list(PROMPTS), GREEDY_SPEC)
-    yield proc, model, client, baseline
-    client.close()
-    proc.stop()
+    with reference_server_with_baseline() as started:
+        yield started
 
 
 def _schemathesis(url: str, checks: str, *selection: str) -> subprocess.CompletedProcess:
@@ -50,19 +40,13 @@ def _schemathesis(url: str, checks: str, *selection: str) -> subprocess.Complete
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "NO_COLOR": "1"})
 
 
-def _healthy_and_unchanged(url: str, client, baseline) -> None:
-    assert requests.get(url + "/health", timeout=5).status_code == 200
-    after = client.generate(list(PROMPTS), GREEDY_SPEC)
-    assert [(g.ids, g.logprobs) for g in after] == [(g.ids, g.logprobs) for g in baseline], "outputs changed"
-
-
 def test_fuzzed_requests_get_no_5xx_and_match_the_schema(server):
     proc, _model, client, baseline = server
     r = _schemathesis(proc.url, "not_a_server_error,status_code_conformance,response_schema_conformance,"
                                 "content_type_conformance", "--exclude-path-regex", STATE_CHANGING)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
     assert "Selected: 19/22" in r.stdout, r.stdout[-3000:]
-    _healthy_and_unchanged(proc.url, client, baseline)
+    assert_healthy_and_unchanged(proc.url, client, baseline)
 
 
 def test_state_changing_operations_match_the_schema_and_the_server_recovers(server):
@@ -73,4 +57,4 @@ def test_state_changing_operations_match_the_schema_and_the_server_recovers(serv
     for path in ("/resume", "/wake_up", "/resume_memory_occupation"):
         assert requests.post(proc.url + path, timeout=30).status_code == 200, path
     assert client.reload_weights(model.a).success  # released weights come back zeroed: reload them
-    _healthy_and_unchanged(proc.url, client, baseline)
+    assert_healthy_and_unchanged(proc.url, client, baseline)
