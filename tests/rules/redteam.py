@@ -110,31 +110,38 @@ class LmHeadAlphaNotChecked(ReferenceRules):
         return super().lm_head_guard(method, quant_mode, weight_dtype, attrs)
 
 
-class ReloadCopiesWhenDtypeMatches(ReferenceRules):
+class _ReloadCopiesWhenHalfMatches(ReferenceRules):
+    """Reload copies the new value into the old parameter's storage whenever :meth:`matches` (one half of the
+    dtype-and-shape comparison) holds, instead of rebinding."""
+
+    def matches(self, current: Parameter, new_value: torch.Tensor) -> bool:
+        raise NotImplementedError
+
+    def reload_param(self, module, name, new_value, *, graph_captured):
+        current = getattr(module, name, None)
+        if isinstance(current, Parameter) and self.matches(current, new_value):
+            current.data.copy_(new_value.detach())
+            return
+        super().reload_param(module, name, new_value, graph_captured=graph_captured)
+
+
+class ReloadCopiesWhenDtypeMatches(_ReloadCopiesWhenHalfMatches):
     """Reload compares dtype only: a reshaped tensor is copied into the old storage (copy_ broadcasts or
     fails) instead of rebinding."""
 
     name = "redteam-reload-copies-when-dtype-matches"
 
-    def reload_param(self, module, name, new_value, *, graph_captured):
-        current = getattr(module, name, None)
-        if isinstance(current, Parameter) and current.dtype == new_value.dtype:
-            current.data.copy_(new_value.detach())
-            return
-        super().reload_param(module, name, new_value, graph_captured=graph_captured)
+    def matches(self, current, new_value):
+        return current.dtype == new_value.dtype
 
 
-class ReloadCopiesWhenShapeMatches(ReferenceRules):
+class ReloadCopiesWhenShapeMatches(_ReloadCopiesWhenHalfMatches):
     """Reload compares shape only: an fp32 reload is cast into the old bf16 storage (silent precision loss)."""
 
     name = "redteam-reload-copies-when-shape-matches"
 
-    def reload_param(self, module, name, new_value, *, graph_captured):
-        current = getattr(module, name, None)
-        if isinstance(current, Parameter) and current.shape == new_value.shape:
-            current.data.copy_(new_value.detach())
-            return
-        super().reload_param(module, name, new_value, graph_captured=graph_captured)
+    def matches(self, current, new_value):
+        return current.shape == new_value.shape
 
 
 class RecaptureDemandedOnEveryCapturedReload(ReferenceRules):
