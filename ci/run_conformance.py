@@ -36,8 +36,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # this checkout's suite, installed or not (a clean clone works as is)
 
 from conformance.backends import BUILTIN_BACKENDS, backend_spec_from_env  # noqa: E402
+# private: this script is the suite's own report runner (plans a run per tier from the tier table, merges the
+# runs' summaries, gates them and renders report.md), the framework's code, not a test's
 from conformance._framework.reporting import EMULATED_VERDICT_NOTE, gate_failures, merge_summaries, render_markdown  # noqa: E402
-from conformance._framework.tiers import TIERS, detect_hardware, tier_skip_reason  # noqa: E402
+from conformance._framework.tiers import TIERS, tier_skip_reason  # noqa: E402
+from conformance.testing import detect_hardware  # noqa: E402
 from conformance.plugin import load_report_parts  # noqa: E402
 
 GPU_TIERS = tuple(t for t in TIERS if t != "cpu")

@@ -13,6 +13,7 @@ sys.path.insert(0, str(REPO))
 import conformance.dense.checks  # noqa: E402,F401 - registers the dense checks
 import conformance.engine_harness.checks  # noqa: E402,F401 - registers the engine checks
 import conformance.moe.checks  # noqa: E402,F401 - registers the MoE checks
+# private: this script renders the framework's check registry into docs/checks.md
 from conformance._framework.checks import markdown_table  # noqa: E402
 from tests.dense import mutants as dense_mutants  # noqa: E402
 from tests.moe import mutants as moe_mutants  # noqa: E402

@@ -10,12 +10,15 @@ change without notice; docs/ cite these names only.
   ``--backend``, ``--engine`` and ``--server-api`` read), e.g. from a vendor's pytest plugin;
 * :func:`detect_hardware` / :class:`Hardware` / :class:`Gpu`: the GPUs this process sees, as the tier markers
   and ``summary.json`` describe them.
+* :func:`as_params`: parametrize a test over cases (anything with an ``id`` and a ``tier``): one ``pytest.param``
+  each, with its id and its tier marker (duplicate ids and unknown tiers rejected).
 """
 from __future__ import annotations
 
+from conformance._framework.cases import as_params
 from conformance._framework.reporting import record_tensors
 from conformance._framework.selection import Builtin, register
 from conformance._framework.snapshots import Approx
 from conformance._framework.tiers import Gpu, Hardware, detect_hardware
 
-__all__ = ["Approx", "Builtin", "Gpu", "Hardware", "detect_hardware", "record_tensors", "register"]
+__all__ = ["Approx", "Builtin", "Gpu", "Hardware", "as_params", "detect_hardware", "record_tensors", "register"]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+# private: the report's own tier name and verdict wording, which this test asserts the emulated run's report carries
 from conformance._framework.reporting import EMULATED_B200_TIER, EMULATED_VERDICT_NOTE
 
 pytestmark = pytest.mark.integration  # starts servers or whole pytest runs (ci/time_tests.py times them apart)

@@ -28,7 +28,7 @@ from conformance.adapters.flashinfer.platform import (
     cudnn_skip_reason,
     cute_dsl_tactics_problem,
 )
-from conformance._framework.tiers import Gpu
+from conformance.testing import Gpu
 from conformance.dense.checks import failing_checks
 from conformance.dense.cases import CPU_CASES, DENSE_CASES
 

@@ -7,7 +7,7 @@ import pytest
 
 from reference_impl.bounds.dense import U_FP32, gamma
 from conformance.dense.cases import CPU_CASES, build_activations, build_layer
-from conformance._framework.snapshots import Approx
+from conformance.testing import Approx
 from conformance.dense.golden import CANONICAL, inputs_sha256
 from reference_impl.dense import w4a16_linear, w4a16_linear_exact
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conformance._framework.cases import as_params
+from conformance.testing import as_params
 from conformance.engine_harness.emulator_cases import BAD_INPUT_CASES, BadInputCase, emulator_api
 
 

@@ -3,7 +3,8 @@ the reason, an expected failure that passes fails the run, and an entry matching
 unless the run did not collect the part of the suite the entry points into.
 
 Integration tests run pytest on probe modules in a temporary directory (one of them under pytest-xdist,
-so the outcomes are seen through the controller) and read the JSON summary."""
+so the outcomes are seen through the controller) and read the JSON summary.
+Imports conformance._framework: it tests the framework itself."""
 from __future__ import annotations
 
 import json

@@ -2,7 +2,7 @@
 else is edited. This test writes the three into a module outside the repository (as a contributor's new code)
 and shows: the registry has the check, the mutant runner's ``failing_checks`` reports it on the mutant only, the
 generated docs table lists it, and ``pytest conformance/dense`` runs it (the module loaded as a plugin) and fails
-the mutant with its message while the variant passes."""
+the mutant with its message while the variant passes. Imports conformance._framework: it tests the framework itself."""
 from __future__ import annotations
 
 import os

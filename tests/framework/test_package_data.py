@@ -2,7 +2,7 @@
 installed data package ``nvfp4_conformance_fixtures`` (the repository's fixtures/, setup.py; never a top-level
 ``fixtures``, an unrelated PyPI distribution's name) (conformance/_framework/data.py), not through paths relative to a repository: a
 wheel built from this tree and installed elsewhere reads every file from inside the install, and ships no built
-checkpoints."""
+checkpoints. Imports conformance._framework: it tests the framework itself."""
 from __future__ import annotations
 
 import json

@@ -3,7 +3,8 @@
 reruns exactly the failing case, and failing tests' tensors are saved as safetensors.
 
 Runs the real suite's dense module on a small subset (-k) through ci/run_conformance.py in a subprocess;
-the artifact tests use a probe module written to a temporary directory."""
+the artifact tests use a probe module written to a temporary directory.
+Imports conformance._framework: it tests the framework itself."""
 from __future__ import annotations
 
 import json

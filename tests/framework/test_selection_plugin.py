@@ -1,6 +1,6 @@
 """The one selection plugin: the four options resolve once (the command line, else the environment variable read
 at resolution, else the default), one error type, ``--server-api`` taking ``module:attr`` like the others, and the
-FlashInfer platform reached through the table."""
+FlashInfer platform reached through the table. Imports conformance._framework: it tests the framework itself."""
 from __future__ import annotations
 
 import pytest

@@ -1,5 +1,6 @@
 """The tensor snapshot extension (conformance/_framework/snapshots.py): lossless storage, exact integers, recorded float
-tolerance, and a changed value failing until ``--snapshot-update`` regenerates the snapshot."""
+tolerance, and a changed value failing until ``--snapshot-update`` regenerates the snapshot.
+Imports conformance._framework: it tests the framework itself."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
-"""Tier detection and skip reasons, on made-up hardware; the stricter-tier rule and b200 emulation."""
+"""Tier detection and skip reasons, on made-up hardware; the stricter-tier rule and b200 emulation.
+Imports conformance._framework: it tests the framework itself."""
 import pytest
 import torch
 

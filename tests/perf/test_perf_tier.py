@@ -11,7 +11,7 @@ from conformance.perf import measure as perf
 from conformance.perf.plugin import PerfGate, load_perf_gates, perf_selected
 from conformance.backends import BackendLoadError, load_backends
 from conformance.adapters.reference.kernel import ReferenceBackend
-from conformance._framework.reporting import render_markdown
+from conformance._framework.reporting import render_markdown  # private: the perf rows' rendering in report.md is under test
 
 
 def _row(**overrides) -> perf.PerfRow:

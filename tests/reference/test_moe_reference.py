@@ -366,7 +366,7 @@ def test_flashinfer_moe_capability_gate(cap, expect) -> None:
     """The capability branch, on CPU: a made-up GPU and the emulated wrapper, whose ``__init__`` carries
     FlashInfer's ``is_compute_capability_supported`` query like the real one."""
     from conformance.adapters.flashinfer.platform import InstalledFlashInfer
-    from conformance._framework.tiers import Gpu
+    from conformance.testing import Gpu
     from reference_impl import flashinfer_emulator as emu
 
     class Machine(InstalledFlashInfer):

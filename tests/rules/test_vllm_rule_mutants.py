@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from conformance._framework.cases import as_params
+from conformance.testing import as_params
 from conformance.rules.matrix import check_case, load_matrix
 
 PROFILE = "vllm-0.32"

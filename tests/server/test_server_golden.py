@@ -26,6 +26,7 @@ from conformance.server.bounds import golden_bound
 from conformance.server.golden import (MAX_NEW_TOKENS, VALUE_ATOL, VARIANCE_RTOL, GoldenTruth, compare_with_golden,
                                        compute_golden, golden_entries, golden_from_entries, load_fixture_golden,
                                        near_ties, snapshot_path)
+# private: writes the server golden files in the snapshot format itself (too slow for the snapshot fixture) and reads them back
 from conformance._framework.snapshots import deserialize_entries, serialize_entries
 from conformance.server.models import check_tokenizer_fits, ensure_fixture_root
 from reference_impl.golden import ExactModel
