@@ -1,6 +1,7 @@
 """The layering is declared (import-linter contracts in pyproject.toml) and holds: interfaces <- _framework <- areas
-<- adapters, areas independent of each other, adapters importing only interfaces and reference_impl. A planted
-upward import in a copy of the packages breaks the contracts, so the check can fail."""
+<- adapters, areas independent of each other, adapters importing only interfaces and reference_impl, the self-tests
+importing no private framework (tests.framework excepted). A planted upward import in a copy of the packages breaks
+the contracts, so the check can fail."""
 from __future__ import annotations
 
 import os
@@ -37,7 +38,7 @@ def _lint(root: Path) -> subprocess.CompletedProcess:
 def _copy(tmp_path: Path) -> Path:
     root = tmp_path / "tree"
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for package in ("conformance", "reference_impl"):
+    for package in ("conformance", "reference_impl", "tests"):  # pyproject's root packages
         shutil.copytree(REPO / package, root / package, ignore=ignore)
     shutil.copy(REPO / "pyproject.toml", root / "pyproject.toml")
     return root
