@@ -26,6 +26,8 @@ PLANTED = (
      "adapters import only interfaces and reference_impl"),
     ("conformance/interfaces/_planted_framework.py", "import conformance._framework.selection",
      "interfaces import nothing of the suite above them"),
+    ("tests/dense/_planted_private.py", "import conformance._framework.selection",
+     "self-tests import no conformance._framework (tests.framework excepted)"),
 )
 
 
