@@ -34,24 +34,26 @@ def server():
         yield started
 
 
-def _schemathesis(url: str, checks: str, *selection: str) -> subprocess.CompletedProcess:
+def _schemathesis(cwd: Path, url: str, checks: str, *selection: str) -> subprocess.CompletedProcess:
+    """``st run`` in ``cwd`` (it writes its cache, ``.schemathesis/``, there: never into the repository)."""
     cmd = [str(Path(sys.executable).parent / "st"), "run", f"{url}/openapi.json", "--checks", checks,
            "--max-examples", EXAMPLES, "--seed", SEED, "--request-timeout", "60", "--max-time", MAX_TIME_S, *selection]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "NO_COLOR": "1"})
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "NO_COLOR": "1"},
+                          cwd=cwd)
 
 
-def test_fuzzed_requests_get_no_5xx_and_match_the_schema(server):
+def test_fuzzed_requests_get_no_5xx_and_match_the_schema(server, tmp_path):
     proc, _model, client, baseline = server
-    r = _schemathesis(proc.url, "not_a_server_error,status_code_conformance,response_schema_conformance,"
+    r = _schemathesis(tmp_path, proc.url, "not_a_server_error,status_code_conformance,response_schema_conformance,"
                                 "content_type_conformance", "--exclude-path-regex", STATE_CHANGING)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
     assert "Selected: 19/22" in r.stdout, r.stdout[-3000:]
     assert_healthy_and_unchanged(proc.url, client, baseline)
 
 
-def test_state_changing_operations_match_the_schema_and_the_server_recovers(server):
+def test_state_changing_operations_match_the_schema_and_the_server_recovers(server, tmp_path):
     proc, model, client, baseline = server
-    r = _schemathesis(proc.url, "status_code_conformance,response_schema_conformance,content_type_conformance",
+    r = _schemathesis(tmp_path, proc.url, "status_code_conformance,response_schema_conformance,content_type_conformance",
                       "--include-path-regex", STATE_CHANGING)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
     for path in ("/resume", "/wake_up", "/resume_memory_occupation"):
