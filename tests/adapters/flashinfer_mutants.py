@@ -28,7 +28,7 @@ def _gate_up_as_up_gate(original):
 
 
 def _padded_linear_scales(scales: torch.Tensor) -> torch.Tensor:
-    from reference_impl.nvfp4 import swizzled_shape
+    from reference_impl.format.nvfp4 import swizzled_shape
 
     *lead, rows, cols = scales.shape
     pr, pc = swizzled_shape(rows, cols)

@@ -21,7 +21,7 @@ from conformance.dense.checks import failing_checks
 from conformance.moe.checks import check_moe_ep_sum, check_moe_within_bound, run_moe_case
 from conformance.dense.cases import DENSE_CASES
 from conformance.moe.cases import MOE_CASES
-from reference_impl import nvfp4
+from reference_impl.format import nvfp4
 from tests.adapters.flashinfer_mutants import _padded_linear_scales
 
 emulator = pytest.importorskip("reference_impl.flashinfer_emulator")

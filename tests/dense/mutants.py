@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from conformance.interfaces.kernel import DenseLayer
-from reference_impl.nvfp4 import swizzle_offsets, swizzled_shape
+from reference_impl.format.nvfp4 import swizzle_offsets, swizzled_shape
 from tests.dense.plain import PlainDense, rest, with_
 from tests.dense.variants import (  # noqa: F401  (re-exported: importers name them from this module)
     VARIANTS,

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from conformance.interfaces.kernel import Backend, DenseLayer
-from reference_impl.nvfp4 import BLOCK_SIZE, e2m1_decode, e4m3_decode, unpack_nibbles
+from reference_impl.format.nvfp4 import BLOCK_SIZE, e2m1_decode, e4m3_decode, unpack_nibbles
 
 
 class PlainDense(Backend):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from reference_impl.nvfp4 import swizzle_128x4, swizzle_offsets
+from reference_impl.format.nvfp4 import swizzle_128x4, swizzle_offsets
 from tests.dense.plain import PlainDense, with_
 
 

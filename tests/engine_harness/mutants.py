@@ -98,7 +98,7 @@ def _activations_quantized(mp: pytest.MonkeyPatch) -> None:
     original = mq.ModelOptFp4LinearMethod.apply
 
     def mutated(self, layer, x, bias=None):
-        from reference_impl.nvfp4 import dequantize, quantize_kernel
+        from reference_impl.format.nvfp4 import dequantize, quantize_kernel
 
         global_sf = 1.0 / layer.input_scale.max().float()
         packed, sf = quantize_kernel(x.reshape(-1, x.shape[-1]), global_sf)

@@ -13,7 +13,7 @@ from conformance.engine_harness.emulator_cases import moe_inputs, moe_wrapper, e
 from conformance.interfaces.standin import AttrPatch, StandIn
 from reference_impl.dense import w4a16_linear
 from reference_impl.moe import fused_moe_w4a16
-from reference_impl.nvfp4 import from_cutedsl_w13, quantize_modelopt, swizzle_128x4, unswizzle_128x4
+from reference_impl.format.nvfp4 import from_cutedsl_w13, quantize_modelopt, swizzle_128x4, unswizzle_128x4
 from conformance.interfaces.kernel import MoEExperts
 
 SHAPES = [(3, 192, 96), (1, 128, 64), (17, 64, 256)]  # (M, N, K): N below/at/above a 128-row tile
@@ -108,7 +108,7 @@ def test_mm_fp4_matches_dequantized_product():
     gs = torch.tensor([2.0])
     xq, xs = fe.fp4_quantize(x, gs)
     got = fe.mm_fp4(xq, q.packed.T, xs, sw.T, torch.tensor([0.5]), torch.bfloat16, backend="cutlass")
-    from reference_impl.nvfp4 import dequantize, quantize_kernel
+    from reference_impl.format.nvfp4 import dequantize, quantize_kernel
 
     pk, ls = quantize_kernel(x, gs)
     want = (dequantize(pk, ls, 1.0) @ dequantize(q.packed, q.block_scale, 1.0).T * 0.5).bfloat16()

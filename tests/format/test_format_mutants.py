@@ -1,4 +1,4 @@
-"""The format oracles can fail: each mutant below breaks one detail of reference_impl.nvfp4 (patched into the module,
+"""The format oracles can fail: each mutant below breaks one detail of reference_impl.format.nvfp4 (patched into the module,
 so it flows through the recipes that use it) and the named checks must report a mismatch. Correct-but-different
 implementations must still be accepted, and the unpatched reference passes every check (the control).
 """
@@ -15,7 +15,7 @@ from conformance.format import cases as C
 from conformance.format import inputs as I
 from conformance.format import oracles as O
 from conformance.format import test_format as conformance_format
-from reference_impl import nvfp4 as F
+from reference_impl.format import nvfp4 as F
 
 _E2M1_VALUES = np.concatenate(list(I.E2M1_ADVERSARIAL.values()))
 _E4M3_VALUES = np.concatenate(list(I.E4M3_ADVERSARIAL.values()))
@@ -212,7 +212,7 @@ def modelopt_written_out(w, weight_scale_2=None):
 @dataclass(frozen=True)
 class Mutant:
     id: str
-    attribute: str  # the reference_impl.nvfp4 name it replaces
+    attribute: str  # the reference_impl.format.nvfp4 name it replaces
     replacement: Callable
     caught_by: tuple[str, ...]  # every one of these checks must report a mismatch
 

@@ -29,7 +29,7 @@ OPTIONAL = {
     "modelopt": "fixtures/config_rules/generate.py, a maintainer script",
     "humming": "vLLM's Humming MoE experts question of the vllm rules (skip with the reason)",
     "matplotlib": "the workload coverage map's PNG (extra 'reports'; JSON and Markdown without it)",
-    "triton": "the CUDA grouped-GEMM path of reference_impl/moe_grouped.py (torch's CUDA builds ship it)",
+    "triton": "the CUDA grouped-GEMM path of reference_impl/moe/grouped.py (torch's CUDA builds ship it)",
     "tomli": "expectation files on Python 3.10 (a conditional main dependency)",
 }
 

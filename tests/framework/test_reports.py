@@ -141,7 +141,7 @@ PROBE = '''
 import torch
 from conformance.interfaces.kernel import DenseLayer
 from conformance._framework.reporting import record_tensors
-from reference_impl.nvfp4 import quantize_modelopt
+from reference_impl.format.nvfp4 import quantize_modelopt
 
 def test_fails(backend, artifacts):
     x = torch.arange(6, dtype=torch.float32).reshape(2, 3).bfloat16()

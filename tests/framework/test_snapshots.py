@@ -18,7 +18,7 @@ from conformance._framework.snapshots import (
     serialize_entries,
     snapshot_differences,
 )
-from reference_impl import nvfp4 as F
+from reference_impl.format import nvfp4 as F
 
 pytest_plugins = ["pytester"]
 

@@ -18,7 +18,7 @@ from conformance.interfaces.kernel import Backend, DenseLayer, MoEExperts
 from conformance.adapters.flashinfer import moe as flashinfer_moe
 from conformance.adapters.flashinfer.moe import KernelMoEWeights, build_kernel_layout, read_back_kernel_layout
 from reference_impl.moe import fused_moe_w4a16
-from reference_impl.nvfp4 import W13_CHUNK_ROWS
+from reference_impl.format.nvfp4 import W13_CHUNK_ROWS
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import torch
 
 
 def _read(path: Path) -> dict[str, torch.Tensor]:
-    from reference_impl.checkpoint import read_tensors
+    from reference_impl.model.checkpoint import read_tensors
 
     return read_tensors(path)
 

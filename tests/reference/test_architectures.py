@@ -1,4 +1,4 @@
-"""Every architecture the reference supports (reference_impl/architectures.py), on a tiny random model of each
+"""Every architecture the reference supports (reference_impl/model/architectures.py), on a tiny random model of each
 written by an independent path -- NVIDIA ModelOpt 0.47 on CPU (tests/reference/modelopt_exporter.py), which exports all
 five: Llama, Qwen3 dense (q/k norms), Qwen3-MoE, Mixtral (ModelOpt writes the original
 ``block_sparse_moe.experts.<e>.w1/w3/w2`` naming) and DeepSeek-V3 (MLA with q_lora, YaRN, interleaved rotary,
@@ -62,7 +62,7 @@ def _bound(cfg, logits: torch.Tensor) -> float:
 
 
 def _theirs(path: Path, mutate=None) -> torch.Tensor:
-    from reference_impl.checkpoint import load_checkpoint
+    from reference_impl.model.checkpoint import load_checkpoint
 
     model = transformers_model(load_checkpoint(path))
     if mutate is not None:
@@ -82,7 +82,7 @@ def _truth(path: Path) -> tuple[object, torch.Tensor]:
 def test_what_the_exports_hold(tiny):
     """The architecture features these tests are meant to exercise are in the files (if ModelOpt or transformers
     stop writing them, this says so instead of the tests below silently testing less)."""
-    from reference_impl.checkpoint import load_checkpoint
+    from reference_impl.model.checkpoint import load_checkpoint
     from reference_impl.model import validate_checkpoint
 
     ds = load_checkpoint(tiny("deepseek_v3"))
@@ -111,7 +111,7 @@ def test_truth_matches_transformers(tiny, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_serving_model_matches_transformers(tiny, arch):
     """The reference server's hand-written model, exact mode, vs transformers (tests/reference/test_checkpoints.py)."""
-    from reference_impl.checkpoint import load_checkpoint
+    from reference_impl.model.checkpoint import load_checkpoint
     from tests.reference.test_checkpoints import assert_matches_transformers
 
     assert_matches_transformers(load_checkpoint(tiny(arch)), arch)
@@ -205,7 +205,7 @@ def test_nemotron_h_is_refused_with_the_reason(tiny, tokenizer, tmp_path):
     """A Nemotron-H checkpoint: the suite stops at start with the reason (the reference has no Mamba-2 path and
     its rounding model does not describe the selective scan), and so do the truth and the server's model."""
     from conformance.server.models import ModelCatalog, ModelError
-    from reference_impl.checkpoint import CheckpointError
+    from reference_impl.model.checkpoint import CheckpointError
     from reference_impl.truth.engine import TruthModel
 
     path = _as_nemotron_h(tiny("llama"), tmp_path / "nemotron-h")

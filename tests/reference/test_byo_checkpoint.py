@@ -146,9 +146,9 @@ def test_derived_weight_sets(tmp_path, arch, algo):
     """b differs from a in every tensor and still loads; corrupt is b minus exactly one tensor of the last
     layer, rejected for that tensor; the exporter's codes are ModelOpt's recipe (the reference agrees)."""
     from conformance.server.derive import derive_corrupt, derive_different_weights, tensor_names, verify_corrupt
-    from reference_impl.checkpoint import load_checkpoint
+    from reference_impl.model.checkpoint import load_checkpoint
     from reference_impl.model import validate_checkpoint
-    from reference_impl.nvfp4 import quantize_modelopt
+    from reference_impl.format.nvfp4 import quantize_modelopt
 
     src = byo_exporter.export(tmp_path / "src", arch, algo)
     before = _state(src)

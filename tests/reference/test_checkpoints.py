@@ -26,10 +26,10 @@ import pytest
 import torch
 
 from fixtures.make_checkpoints import ALGOS, ARCHS, checkpoint_name, corrupt_tensor_name, ensure_checkpoints
-from reference_impl.checkpoint import CheckpointError, load_checkpoint, read_configs
+from reference_impl.model.checkpoint import CheckpointError, load_checkpoint, read_configs
 from reference_impl.dense import w4a16_linear
 from reference_impl.model import Layout, TinyModel, shard_weights, validate_checkpoint
-from reference_impl.nvfp4 import BLOCK_SIZE, e2m1_decode, e4m3_decode, unpack_nibbles
+from reference_impl.format.nvfp4 import BLOCK_SIZE, e2m1_decode, e4m3_decode, unpack_nibbles
 
 GAIN = 4.0
 PROMPT = torch.tensor([1, 4, 53, 5, 103, 6, 119, 20, 30, 40, 50, 60, 70, 80])
@@ -53,7 +53,7 @@ def transformers_model(ckpt):
     """The transformers model class loaded with the float64-dequantized weights."""
     import transformers
 
-    from reference_impl.architectures import ModelConfig
+    from reference_impl.model.architectures import ModelConfig
 
     cfg_dict = {k: v for k, v in ckpt.hf_config.items() if k != "quantization_config"}
     hf_cfg = transformers.AutoConfig.for_model(**cfg_dict)

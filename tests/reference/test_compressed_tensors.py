@@ -1,4 +1,4 @@
-"""compressed-tensors NVFP4A16 checkpoints (reference_impl/compressed_tensors.py) against compressed-tensors' own
+"""compressed-tensors NVFP4A16 checkpoints (reference_impl/model/compressed_tensors.py) against compressed-tensors' own
 code (the independent oracle, ``compressed-tensors==0.20.0``, ci/requirements-sglang.txt): packing and nibble
 order, the value rounding of its compressor, the reader's decoded weights, the writer's bytes, the reciprocal
 global-scale convention (a named case with a mutant reader that takes the encode scale for a decode scale), and
@@ -16,9 +16,9 @@ import torch
 
 ct = pytest.importorskip("compressed_tensors", reason="needs compressed-tensors (ci/install-test-deps.sh)")
 
-from reference_impl import compressed_tensors as C  # noqa: E402
-from reference_impl.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
-from reference_impl.nvfp4 import E2M1_MAGNITUDES, e2m1_decode, e2m1_encode, e4m3_decode, pack_nibbles, unpack_nibbles  # noqa: E402
+from reference_impl.model import compressed_tensors as C  # noqa: E402
+from reference_impl.model.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
+from reference_impl.format.nvfp4 import E2M1_MAGNITUDES, e2m1_decode, e2m1_encode, e4m3_decode, pack_nibbles, unpack_nibbles  # noqa: E402
 from tests.reference import ct_exporter  # noqa: E402
 from tests.reference.modelopt_exporter import LAYERS  # noqa: E402
 from tests.reference.compressed_tensors_mutants import MUTANT_READERS  # noqa: E402

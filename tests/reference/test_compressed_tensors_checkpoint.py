@@ -33,8 +33,8 @@ def test_scenarios_on_a_compressed_tensors_export(export, tmp_path):
 
 
 def test_golden_truth_equals_the_modelopt_layout(export, tmp_path):
-    from reference_impl.checkpoint import QuantConfig, load_checkpoint, save_checkpoint
-    from reference_impl.golden import ExactModel
+    from reference_impl.model.checkpoint import QuantConfig, load_checkpoint, save_checkpoint
+    from reference_impl.truth.golden import ExactModel
 
     ckpt = load_checkpoint(export["ckpt"])
     assert ckpt.quant == QuantConfig("W4A16_NVFP4", 16, ("lm_head",), None)

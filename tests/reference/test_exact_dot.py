@@ -1,4 +1,4 @@
-"""The order-independent GEMM behind the reference on CPU (:mod:`reference_impl.exact_dot`): its sums are exact
+"""The order-independent GEMM behind the reference on CPU (:mod:`reference_impl.dense.exact_dot`): its sums are exact
 (checked with rational arithmetic), so the result does not change with the K order, the row or column
 chunking or the thread count, and the reference's dense and MoE outputs and the FlashInfer emulator's are
 bitwise reproducible by construction."""
@@ -9,10 +9,10 @@ from fractions import Fraction
 import pytest
 import torch
 
-from reference_impl import moe_grouped
+from reference_impl.moe import grouped as moe_grouped
 from reference_impl.dense import w4a16_linear
-from reference_impl.exact_dot import WEIGHT_MAX_UNITS, exact_matmul, exact_matmul_fp32, slice_bits
-from reference_impl.nvfp4 import codes_times_block_scales
+from reference_impl.dense.exact_dot import WEIGHT_MAX_UNITS, exact_matmul, exact_matmul_fp32, slice_bits
+from reference_impl.format.nvfp4 import codes_times_block_scales
 
 
 def _weights(n: int, k: int, g: torch.Generator) -> torch.Tensor:

@@ -71,7 +71,7 @@ def test_reference_reads_real_exports_as_transformers_does(exports, name):
     weights (bound derived in tests/reference/test_checkpoints.py; these weights are drawn at 0.1, 1.6 times the
     1/sqrt(fan_in) scale that derivation assumes, and measured errors are a tenth of the bound). A misread AWQ
     fold, tied head, rotary base or expert layout moves logits by O(0.1)."""
-    from reference_impl.checkpoint import load_checkpoint
+    from reference_impl.model.checkpoint import load_checkpoint
 
     assert_matches_transformers(load_checkpoint(exports[name]), name)
 
@@ -93,7 +93,7 @@ def test_derived_weight_sets_of_a_real_moe_export(exports, tmp_path):
     """Weight set b and the corrupt checkpoint derive from a real MoE export (the scenario runs below are dense:
     a MoE run costs about 200 s of CI time, mostly the reference's golden outputs and near-tie branches)."""
     from conformance.server.derive import derive_corrupt, derive_different_weights, verify_corrupt
-    from reference_impl.checkpoint import load_checkpoint
+    from reference_impl.model.checkpoint import load_checkpoint
     from reference_impl.model import validate_checkpoint
 
     src = exports["qwen3_moe-w4a16_nvfp4"]

@@ -1,5 +1,5 @@
-"""Self-tests of the MoE reference (:mod:`reference_impl.moe`, :mod:`reference_impl.routing`,
-:mod:`reference_impl.online_quant`), its error bound (:mod:`reference_impl.bounds.moe`) and the FlashInfer
+"""Self-tests of the MoE reference (:mod:`reference_impl.moe`, :mod:`reference_impl.moe.routing`,
+:mod:`reference_impl.format.online_quant`), its error bound (:mod:`reference_impl.bounds.moe`) and the FlashInfer
 MoE layout code (:mod:`conformance.adapters.flashinfer.moe`), independent of any backend."""
 from __future__ import annotations
 
@@ -21,14 +21,14 @@ from reference_impl.bounds.moe import (
     weight_perturbation_bound,
 )
 from conformance.moe.cases import MOE_CASES, MoECase, build_global_experts, build_inputs, rank_slice
-from reference_impl.nvfp4 import dequantize, quantize_kernel, quantize_modelopt
-from reference_impl.online_quant import (
+from reference_impl.format.nvfp4 import dequantize, quantize_kernel, quantize_modelopt
+from reference_impl.format.online_quant import (
     dequantize_experts,
     online_weight_scale_2,
     quantize_4over6,
     quantize_experts_online,
 )
-from reference_impl.routing import route_all_to_one, sigmoid_topk_with_bias, softmax_topk
+from reference_impl.moe.routing import route_all_to_one, sigmoid_topk_with_bias, softmax_topk
 
 CASES = {c.id: c for c in MOE_CASES}
 SMALL = MoECase("self_t33_e8_k2", "cpu", 33, 8, 2, 128, 64)
@@ -150,7 +150,7 @@ def test_expert_parallel_ranks_sum_to_full_layer() -> None:
 
 
 def test_only_experts_with_tokens_are_dequantized(monkeypatch) -> None:
-    import reference_impl.moe_grouped as grouped
+    import reference_impl.moe.grouped as grouped
 
     case = CASES["t128_e64_k2_empty_experts"]
     experts = build_global_experts(case)
@@ -329,7 +329,7 @@ def test_mma_view_matches_flashinfer_layout_function() -> None:
 
     experts = build_global_experts(CASES["t7_e8_k2_h192_i192"])
     layout = fim.build_kernel_layout(experts)
-    from reference_impl.nvfp4 import swizzle_128x4, to_cutedsl_w13
+    from reference_impl.format.nvfp4 import swizzle_128x4, to_cutedsl_w13
 
     flat = swizzle_128x4(to_cutedsl_w13(experts.w13_scale).view(torch.uint8)).reshape(-1)
     theirs = convert_sf_to_mma_layout(flat, m=384, k=192, num_groups=8)

@@ -1,4 +1,4 @@
-"""The reference NVFP4 format (reference_impl.nvfp4) against independent oracles, bit for bit:
+"""The reference NVFP4 format (reference_impl.format.nvfp4) against independent oracles, bit for bit:
 
 * ml_dtypes for E2M1 / E4M3 rounding: 10^6 random values per format plus adversarial families;
 * FlashInfer's CPU model of the kernel recipe (``flashinfer.batch_invariant.quantization.nvfp4_reference``):
@@ -15,7 +15,7 @@ import torch
 
 from conformance.format import inputs as I
 from conformance.format import oracles as O
-from reference_impl import nvfp4 as F
+from reference_impl.format import nvfp4 as F
 
 RANDOM_VALUES = 1_000_000
 FORMATS = {

@@ -1,5 +1,5 @@
-"""Self-tests of the BF16-dequant reference (:mod:`reference_impl.dense`, :mod:`reference_impl.moe_grouped`,
-:func:`reference_impl.nvfp4.codes_times_block_scales`): the exact bf16 decode, the exact AWQ split, the
+"""Self-tests of the BF16-dequant reference (:mod:`reference_impl.dense`, :mod:`reference_impl.moe.grouped`,
+:func:`reference_impl.format.nvfp4.codes_times_block_scales`): the exact bf16 decode, the exact AWQ split, the
 code paths CUDA takes (exercised on CPU through an emulated fp32-output GEMM), the grouped MoE's subsets,
 orders and chunks, and the Triton grouped GEMM under Triton's CPU interpreter (when Triton is installed)."""
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import reference_impl.dense as dense
-import reference_impl.moe_grouped as grouped
-import reference_impl.nvfp4 as nvfp4
+import reference_impl.moe.grouped as grouped
+import reference_impl.format.nvfp4 as nvfp4
 from reference_impl.bounds.moe import moe_error_bound
 from conformance.dense.checks import failing_checks
 from conformance.dense.cases import CPU_CASES
@@ -179,7 +179,7 @@ def test_triton_grouped_gemm_under_the_interpreter() -> None:
             _patch(tensor, scope)
             scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
         ti._patch_lang_tensor = patched
-        from reference_impl import _triton_grouped_gemm as tg
+        from reference_impl.moe import _triton_grouped_gemm as tg
         g = torch.Generator().manual_seed(0)
         E, N, K = 5, 96, 80
         w = torch.randn(E, N, K, generator=g)
@@ -233,7 +233,7 @@ def test_serving_model_rebuilds_kept_experts_after_prepare() -> None:
     """TinyModel keeps decoded experts between forwards and drops them in prepare() (every reload calls it):
     after the expert weights change in place, the next forward is the new weights'."""
     from fixtures.make_checkpoints import ensure_checkpoints
-    from reference_impl.checkpoint import load_checkpoint
+    from reference_impl.model.checkpoint import load_checkpoint
     from reference_impl.model import TinyModel, shard_weights, validate_checkpoint
 
     def weights(name):

@@ -110,7 +110,7 @@ def test_default_weight_term_bounds_the_probes_estimate():
 
 
 def test_teacher_forced_is_memoised_and_judges_every_row():
-    from reference_impl.golden import ExactModel
+    from reference_impl.truth.golden import ExactModel
 
     em = ExactModel(str(FIXTURES / "moe-nvfp4-a"), "cpu")
     prompt, cont = [5, 9, 11, 3], [7, 7, 2]

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from reference_impl import config_paths as P
-from reference_impl import config_rules as R
-from reference_impl import lm_head as L
-from reference_impl import reload as RL
+from reference_impl.rules import sglang_paths as P
+from reference_impl.rules import sglang as R
+from reference_impl.rules import lm_head as L
+from reference_impl.rules import reload as RL
 
 from conformance.adapters.reference.rules import ReferenceRules
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch.nn import Parameter
 
-from reference_impl import config_paths as P
-from reference_impl import config_rules as R
+from reference_impl.rules import sglang_paths as P
+from reference_impl.rules import sglang as R
 
 from conformance.adapters.reference.rules import ReferenceRules
 

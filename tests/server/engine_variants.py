@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from reference_impl.model import TinyModel
-from reference_impl.moe_grouped import prepare_experts, run_prepared_experts
+from reference_impl.moe.grouped import prepare_experts, run_prepared_experts
 
 BF16 = torch.bfloat16
 

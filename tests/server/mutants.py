@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from reference_impl.checkpoint import load_checkpoint  # noqa: E402
+from reference_impl.model.checkpoint import load_checkpoint  # noqa: E402
 from reference_impl.model import TinyModel  # noqa: E402
 from reference_impl.server.__main__ import main as server_main  # noqa: E402
 from reference_impl.server.app import Scheduler  # noqa: E402
@@ -271,8 +271,8 @@ def dies_after_failed_reload() -> dict:
 def accepts_damaged_block_scales() -> dict:
     """The loader checks names, dtypes, shapes and the global scales but not the E4M3 block scales (as before
     issue 37): a checkpoint with a NaN or negative block scale is loaded and served."""
-    import reference_impl.architectures as arch
-    from reference_impl.checkpoint import CheckpointError
+    import reference_impl.model.architectures as arch
+    from reference_impl.model.checkpoint import CheckpointError
 
     original = arch.check_tensors
 

@@ -22,7 +22,7 @@ from conformance.interfaces.server_types import Generation
 from conformance.server.golden import PROMPTS, compare_with_golden
 from conformance.server.models import ModelCatalog
 from fixtures.make_checkpoints import ensure_checkpoints
-from reference_impl.checkpoint import read_tensors
+from reference_impl.model.checkpoint import read_tensors
 
 FAMILIES = ("dense-nvfp4_awq", "moe-w4a16_nvfp4")
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)

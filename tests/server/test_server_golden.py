@@ -29,7 +29,7 @@ from conformance.server.golden import (MAX_NEW_TOKENS, VALUE_ATOL, VARIANCE_RTOL
 # private: writes the server golden files in the snapshot format itself (too slow for the snapshot fixture) and reads them back
 from conformance._framework.snapshots import deserialize_entries, serialize_entries
 from conformance.server.models import check_tokenizer_fits, ensure_fixture_root
-from reference_impl.golden import ExactModel
+from reference_impl.truth.golden import ExactModel
 from reference_impl.model import TinyModel
 
 FAMILIES = [f"{arch}-{algo}" for arch in ("dense", "moe") for algo in ("nvfp4", "nvfp4_awq", "w4a16_nvfp4")]

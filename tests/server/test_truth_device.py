@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import reference_impl.golden as golden_module
+import reference_impl.truth.golden as golden_module
 from conformance.server.models import ModelCatalog, ServedModel, ensure_fixture_root
 from reference_impl.truth.engine import default_device, resolve_device
 
