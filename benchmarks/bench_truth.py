@@ -171,6 +171,10 @@ def main() -> None:
     ap.add_argument("--max-rows", type=int, default=None,
                     help="--workload: rows (sequences x probes x tokens) of one probed pass (memory; default: "
                          "reference_impl/truth/probes.py MAX_ROWS)")
+    ap.add_argument("--precision", default="fp64", choices=("fp64", "fp32"),
+                    help="--workload: the probed passes' arithmetic (reference_impl/truth/probes.py PRECISIONS)")
+    ap.add_argument("--compare-precision", action="store_true",
+                    help="--workload: first measure the fp32 estimates' change against fp64 from the same draws")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--vocab", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -189,7 +193,13 @@ def main() -> None:
             import reference_impl.truth.probes as probes
 
             probes.MAX_ROWS = a.max_rows
-        row = truth_workload.run(path, a.workload, device, a.budget_s, chunk=a.chunk)
+        if a.compare_precision:
+            change = truth_workload.precision_change(path, a.workload, device)
+            print(json.dumps(change), flush=True)
+            print(f"fp32 estimates against fp64 (same draws; {change['rows']} rows): max |V32/V64 - 1| = "
+                  f"{change['max_rel_change']:.2e}, mean {change['mean_rel_change']:.2e}; values identical: "
+                  f"{change['values_identical']}", flush=True)
+        row = truth_workload.run(path, a.workload, device, a.budget_s, chunk=a.chunk, precision=a.precision)
         print(json.dumps(row))
         print(f"\ntruth device {device}; {path}")
         print(truth_workload.table(row))

@@ -76,7 +76,7 @@ def disk_rate(files: list[Path]) -> tuple[float, int]:
 
 
 def run(path: str, workload_name: str, device: str, budget_s: float, b_path: str | None = None,
-        chunk: int = 64) -> dict:
+        chunk: int = 64, precision: str = "fp64") -> dict:
     from conformance.server.workloads import load
     from reference_impl.truth.golden import ExactModel
 
@@ -104,7 +104,7 @@ def run(path: str, workload_name: str, device: str, budget_s: float, b_path: str
             if time.perf_counter() - t0 > budget_s:
                 break
             part = group[lo:lo + chunk]
-            models[ws].teacher_forced_many([(p, c) for _, p, c in part], workload.probes)
+            models[ws].teacher_forced_many([(p, c) for _, p, c in part], workload.probes, precision=precision)
             done_flops += sum(flops[id(x)] for x in part)
             done += len(part)
             tokens += n * len(part)
@@ -113,7 +113,7 @@ def run(path: str, workload_name: str, device: str, budget_s: float, b_path: str
     wall = time.perf_counter() - t0
     import resource
 
-    return {"workload": workload.name, "probes": workload.probes, "sequences": len(all_seqs), "done": done,
+    return {"workload": workload.name, "precision": precision, "probes": workload.probes, "sequences": len(all_seqs), "done": done,
             "tokens_done": tokens, "tokens": sum(len(p) + len(c) for _, p, c in all_seqs),
             "gemm_tflops": rate / 1e12, "disk_gb_s": disk / 1e9, "checkpoint_gb": size / 1e9,
             "floor_s": floor_s, "truth_s_done": wall, "floor_s_done": done_flops / rate + size / disk,
@@ -124,10 +124,36 @@ def run(path: str, workload_name: str, device: str, budget_s: float, b_path: str
 
 def table(r: dict) -> str:
     return "\n".join([
-        "| workload | probes | sequences (done) | tokens (done) | fp64 GEMM TFLOP/s | disk GB/s | floor s | "
+        "| workload | precision | probes | sequences (done) | tokens (done) | fp64 GEMM TFLOP/s | disk GB/s | floor s | "
         "truth s (done) | floor s (done) | projected s | projected / floor | peak GPU GiB | peak host GiB |",
-        "|" + " --- |" * 13,
-        f"| {r['workload']} | {r['probes']} | {r['sequences']} ({r['done']}) | {r['tokens']} ({r['tokens_done']}) | "
+        "|" + " --- |" * 14,
+        f"| {r['workload']} | {r['precision']} | {r['probes']} | {r['sequences']} ({r['done']}) | {r['tokens']} ({r['tokens_done']}) | "
         f"{r['gemm_tflops']:.1f} | {r['disk_gb_s']:.2f} | {r['floor_s']:.1f} | {r['truth_s_done']:.1f} | "
         f"{r['floor_s_done']:.1f} | {r['projected_s']:.0f} | {r['projected_s'] / r['floor_s']:.1f} | "
         f"{r['peak_gpu_gib']:.1f} | {r['peak_host_gib']:.1f} |"])
+
+
+def precision_change(path: str, workload_name: str, device: str, lengths: tuple[int, ...] = (80, 513),
+                     per_length: int = 4, probes: int = 16) -> dict:
+    """The fp32 probes' variance estimates against the fp64 ones from the same draws (same seed, same batching)
+    on ``per_length`` sequences of each of ``lengths`` tokens: the largest and the mean ``|V32 / V64 - 1|`` over
+    every row's logprob and gap estimate, and whether the values (fp64 in both) are identical."""
+    from conformance.server.workloads import load
+    from reference_impl.truth.probes import probe_sequences
+    from reference_impl.truth.golden import ExactModel
+
+    workload = load(workload_name)
+    model = ExactModel(path, device)
+    ratios, same = [], True
+    for n in lengths:
+        seqs = workload.prompts(model.cfg.vocab_size, n, per_length, "precision")
+        targets = [q[1:] + [q[0]] for q in seqs]
+        r64, r32 = (probe_sequences(model.truth, seqs, targets, probes, seed=5, precision=p) for p in ("fp64", "fp32"))
+        for a, b in zip(r64, r32):
+            same &= bool(torch.equal(a.logprob, b.logprob) and torch.equal(a.best, b.best))
+            ratios.append((b.logprob_var / a.logprob_var - 1).abs())
+            keep = a.gap_var > 0
+            ratios.append((b.gap_var[keep] / a.gap_var[keep] - 1).abs())
+    allr = torch.cat(ratios)
+    return {"rows": int(allr.numel()), "max_rel_change": float(allr.max()), "mean_rel_change": float(allr.mean()),
+            "values_identical": same, "lengths": list(lengths), "probes": probes}

@@ -322,15 +322,17 @@ class ExactModel:
         return self.teacher_forced_many([(prompt, continuation)], probes, tp, seed)[0]
 
     def teacher_forced_many(self, pairs: list[tuple[list[int], list[int]]], probes: int | None = None, tp: int = 1,
-                            seed: int = 0, max_rows: int | None = None) -> list[TeacherForced]:
+                            seed: int = 0, max_rows: int | None = None, precision: str = "fp64"
+                            ) -> list[TeacherForced]:
         """Each ``(prompt, continuation)`` teacher forced (:class:`TeacherForced`): forward-mode passes of
         ``probes`` replicas (:mod:`reference_impl.truth.probes`; sequences of equal length share one) give every
         position's values and variance estimates. Memoized per question, like the other on-demand answers (an
-        engine that gives the same continuation in several batches is judged once)."""
+        engine that gives the same continuation in several batches is judged once). ``precision``: the probed
+        passes' (:data:`reference_impl.truth.probes.PRECISIONS`)."""
         from reference_impl.truth.probes import DEFAULT_PROBES, probe_sequences, route_outputs
 
         probes = probes or DEFAULT_PROBES
-        keys = [("teacher", _ints(p), _ints(c), probes, tp, seed) for p, c in pairs]
+        keys = [("teacher", _ints(p), _ints(c), probes, tp, seed, precision) for p, c in pairs]
         for (p, c) in pairs:
             if not p or len(p) + len(c) < 2:
                 raise ValueError("teacher forcing needs a prompt and at least 2 tokens in all (one to predict)")
@@ -338,7 +340,7 @@ class ExactModel:
         todo = list(dict.fromkeys(k for k in keys if k not in found))
         seqs = [list(k[1]) + list(k[2]) for k in todo]
         probed_all = probe_sequences(self.truth, [q[:-1] for q in seqs], [q[1:] for q in seqs], probes, tp, seed,
-                                     max_rows)
+                                     max_rows, precision)
         for k, seq, probed in zip(todo, seqs, probed_all):
             answer = TeacherForced(len(k[1]), seq, probed.logprob, probed.logprob_var, probed.best, probed.gap,
                                    probed.gap_var, route_outputs(self.cfg, probed), probes, tp)

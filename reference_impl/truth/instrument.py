@@ -109,23 +109,35 @@ def primal(t):
     return t
 
 
+#: score elements of one block of queries (fp64: 2 GiB): a long sequence's attention goes in blocks of queries, so
+#: its memory grows like T, not T^2 (every store is elementwise or per query row: the blocks change nothing)
+ATTENTION_BLOCK_ELEMENTS = 1 << 28
+
+
 def truth_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """Eager causal attention ``[b, h, t, d]`` with its three stores; the mask is causal by construction (the
-    truth never pads)."""
+    """Eager causal attention ``[b, h, t, d]`` with its three stores, in blocks of queries; the mask is causal by
+    construction (the truth never pads)."""
     rec = active() or Recorder(None, False)
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     tq, tk = query.shape[-2], key.shape[-2]
+    rows = max(1, ATTENTION_BLOCK_ELEMENTS // (query.shape[0] * query.shape[1] * tk))
+    causal = torch.ones(tq, tk, dtype=torch.bool, device=query.device).tril(tk - tq)
+    blocks = [_attention_block(rec, query[:, :, lo:lo + rows], key, value, causal[lo:lo + rows], scaling)
+              for lo in range(0, tq, rows)]
+    out = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _attention_block(rec: Recorder, query, key, value, causal, scaling):
     scores = rec.store(torch.matmul(query, key.transpose(2, 3)) * scaling, "dot",
                        lambda: torch.matmul(primal(query).abs(), primal(key).abs().transpose(2, 3)) * scaling,
                        query.shape[-1])
-    causal = torch.ones(tq, tk, dtype=torch.bool, device=query.device).tril(tk - tq)
     scores = scores.masked_fill(~causal, float("-inf"))
     probs = rec.store(F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype), "round")
-    out = rec.store(torch.matmul(probs, value), "dot", lambda: torch.matmul(primal(probs).abs(), primal(value).abs()),
-                    tk)
-    return out.transpose(1, 2).contiguous(), None
+    return rec.store(torch.matmul(probs, value), "dot", lambda: torch.matmul(primal(probs).abs(), primal(value).abs()),
+                     key.shape[-2])
 
 
 # ----------------------------------------------------------------------------------------- experts

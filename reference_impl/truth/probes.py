@@ -30,6 +30,7 @@ routing decision of the sequence.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 
@@ -42,6 +43,10 @@ from reference_impl.truth.stores import TP_SIZES, U_ACCUM, U_BF16, covering_tp, 
 
 #: probes per sequence: the bound is 16 % wider than with the exact variance (module docstring)
 DEFAULT_PROBES = 64
+#: a probed pass's arithmetic: ``fp64`` (every value and estimate), or ``fp32`` (dense models: the values from an
+#: fp64 forward, the variance estimates from an fp32 pass with TF32 GEMMs on CUDA; docs/truth.md measures the
+#: change of the estimates)
+PRECISIONS = ("fp64", "fp32")
 #: weight-rounding draws made at once (fp64 elements: 2 GiB): a large model's replicas are drawn in groups
 WEIGHT_DRAW_ELEMENTS = 1 << 28
 
@@ -87,7 +92,7 @@ class Probe:
         # float32 normals (3x faster to draw than fp64): their quantization (2^-24 relative) and Box-Muller's
         # float32 tail (|g| < 5.8) move the variance by < 1e-6 relative, nothing against the chi^2 spread
         g = torch.randn(shape, dtype=torch.float32, generator=self.generator, device=like.device)
-        return g.to(torch.float64)
+        return g.to(like.dtype)
 
     def perturb(self, kind: str, value: torch.Tensor, info, n: int, reduced: bool) -> torch.Tensor:
         primal, upstream = fwAD.unpack_dual(value)
@@ -200,42 +205,52 @@ MAX_ROWS = 1 << 16
 ACTIVATION_BYTES = 2 << 30
 
 
-def rows_budget(cfg) -> int:
+def rows_budget(cfg, dtype: torch.dtype = torch.float64) -> int:
     """Rows of one probed pass: MAX_ROWS, fewer where the widest activation (the MLP's) would exceed
     ACTIVATION_BYTES."""
     width = max(cfg.hidden_size, cfg.intermediate_size or 0, (cfg.moe_intermediate_size or 0) * max(1, cfg.top_k or 1))
-    return max(1, min(MAX_ROWS, ACTIVATION_BYTES // (8 * width)))
-
-
-def _attention_replicas(cfg, t: int) -> int:
-    """Replicas (of sequences of ``t`` tokens) whose eager attention scores fit ACTIVATION_BYTES."""
-    return max(1, ACTIVATION_BYTES // (8 * cfg.num_heads * t * t))
+    return max(1, min(MAX_ROWS, ACTIVATION_BYTES // (dtype.itemsize * width)))
 
 
 def probe_sequences(truth, seqs: list[list[int]], targets: list[list[int]], probes: int = DEFAULT_PROBES, tp: int = 1,
-                    seed: int = 0, max_rows: int | None = None) -> list[Probed]:
+                    seed: int = 0, max_rows: int | None = None, precision: str = "fp64") -> list[Probed]:
     """Forward-mode probes of each sequence through ``truth`` (a :class:`reference_impl.truth.engine.TruthModel`),
     judged against ``targets`` (one token per position): sequences of equal length share a pass (at most
     ``max_rows`` rows), the layers one at a time (weights streamed once per pass), ``probes`` replicas of each.
-    The draws depend on ``seed`` and the batching."""
-    max_rows = max_rows or rows_budget(truth.cfg)
+    The draws depend on ``seed`` and the batching. ``precision``: :data:`PRECISIONS`."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"probe precision {precision!r}: one of {', '.join(PRECISIONS)}")
+    if precision != "fp64" and truth.cfg.top_k:
+        raise ValueError(f"probe precision {precision!r} is for dense models (an fp32 pass may route a near-tie "
+                         f"otherwise than the fp64 values it estimates for); this one routes: use fp64")
+    if precision != "fp64":
+        with _fast_fp32(truth.device):
+            return _probe_sequences(truth, seqs, targets, probes, tp, seed, max_rows, torch.float32)
+    return _probe_sequences(truth, seqs, targets, probes, tp, seed, max_rows, torch.float64)
+
+
+def _probe_sequences(truth, seqs, targets, probes, tp, seed, max_rows, dtype) -> list[Probed]:
+    max_rows = max_rows or rows_budget(truth.cfg, dtype)
     out: list[Probed | None] = [None] * len(seqs)
     by_length: dict[int, list[int]] = {}
     for i, s in enumerate(seqs):
         by_length.setdefault(len(s), []).append(i)
     for t, idx in sorted(by_length.items()):
-        group = max(1, min(probes, max_rows // t, _attention_replicas(truth.cfg, t)))  # replicas per pass
+        group = max(1, min(probes, max_rows // t))  # replicas per pass
         if group < probes:  # a long sequence: its replicas in groups, independent draws each (seeded apart)
             for i in idx:
+                values = _values(truth, [seqs[i]], [targets[i]]) if dtype != torch.float64 else None
                 parts = [_probe_pass(truth, [seqs[i]], [targets[i]], min(group, probes - lo), tp,
-                                     seed + 7919 * (lo // group + 1))[0] for lo in range(0, probes, group)]
+                                     seed + 7919 * (lo // group + 1), dtype, values)[0]
+                         for lo in range(0, probes, group)]
                 out[i] = _joined(parts)
             continue
-        per = max(1, min(max_rows // (probes * t), _attention_replicas(truth.cfg, t) // probes))
+        per = max(1, max_rows // (probes * t))
         for lo in range(0, len(idx), per):
             part = idx[lo:lo + per]
-            for i, p in zip(part, _probe_pass(truth, [seqs[i] for i in part], [targets[i] for i in part], probes, tp,
-                                              seed)):
+            s_, t_ = [seqs[i] for i in part], [targets[i] for i in part]
+            values = _values(truth, s_, t_) if dtype != torch.float64 else None
+            for i, p in zip(part, _probe_pass(truth, s_, t_, probes, tp, seed, dtype, values)):
                 out[i] = p
     return out
 
@@ -250,27 +265,34 @@ def probe_sequence(truth, ids: list[int], targets: list[int], probes: int = DEFA
 HEAD_ELEMENTS = 1 << 27
 
 
-def _probe_pass(truth, seqs: list[list[int]], targets: list[list[int]], probes: int, tp: int, seed: int
-                ) -> list[Probed]:
+def _probe_pass(truth, seqs: list[list[int]], targets: list[list[int]], probes: int, tp: int, seed: int,
+                dtype: torch.dtype = torch.float64, values: list[tuple] | None = None) -> list[Probed]:
+    """One probed pass over ``seqs`` (all of one length), ``probes`` replicas each, in ``dtype``. ``values``: each
+    sequence's ``(logprob, best, gap)`` from an fp64 forward (:func:`_values`), replacing the pass's own (an
+    fp32 pass gives the variance estimates only)."""
     gen = torch.Generator(device=truth.device).manual_seed(seed)
     n, t = len(seqs), len(seqs[0])
     probe = Probe(probes, t, tp, gen, sequences=n)
     routes: list[RouteDecision] = []
     with fwAD.dual_level(), torch.no_grad():
-        x = torch.cat([truth.embed(ids).expand(probes, t, -1) for ids in seqs]).contiguous()
+        x = torch.cat([truth.embed(ids).to(dtype).expand(probes, t, -1) for ids in seqs]).contiguous()
         x = fwAD.make_dual(x, torch.zeros_like(x))
         pe = truth._positions(x)
         for i in range(truth.cfg.num_layers):
             with truth.layer(i) as layer:
+                if dtype != torch.float64:  # (DeepSeek's router stays fp32 in fp64 mode, as transformers has it)
+                    layer.to(dtype)
+                share_primal(layer, probe)
                 rec = Recorder(truth.cfg, False, {}, i, probe=probe)
                 with recording(rec):
                     x = truth._run(layer, x, pe)
                 routes += rec.routes
         with recording(Recorder(truth.cfg, False, probe=probe)):
-            h = truth.final_norm(x)
+            h = truth.final_norm(x).to(dtype)
         del x
-        w = truth.lm_head()
-        out = [_head(truth, h[s * probes:(s + 1) * probes], w, targets[s], tp, gen) for s in range(n)]
+        w = truth.lm_head().to(dtype)
+        out = [_head(truth, h[s * probes:(s + 1) * probes], w, targets[s], tp, gen,
+                     None if values is None else values[s]) for s in range(n)]
         for d in routes:
             gp, gt = fwAD.unpack_dual(d.gaps)
             gt = gt if gt is not None else torch.zeros_like(gp)
@@ -280,9 +302,75 @@ def _probe_pass(truth, seqs: list[list[int]], targets: list[list[int]], probes: 
     return out
 
 
-def _head(truth, h: torch.Tensor, w: torch.Tensor, targets: list[int], tp: int, gen) -> Probed:
+def share_primal(layer: torch.nn.Module, probe: Probe) -> None:
+    """Every ``nn.Linear`` of ``layer`` computes its output's primal once per sequence (replica 0's rows, copied
+    to the others: the replicas' primal is one) and only the tangent per replica: the replicated primal GEMM
+    was a third of a probed pass's arithmetic. The result is what ``F.linear`` of the dual gives."""
+    for mod in layer.modules():
+        if isinstance(mod, torch.nn.Linear):
+            mod.forward = _SharedPrimalLinear(mod, probe)
+
+
+class _SharedPrimalLinear:
+    def __init__(self, mod: torch.nn.Linear, probe: Probe):
+        self.mod, self.probe = mod, probe
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = self.mod.weight, self.mod.bias
+        p, tangent = fwAD.unpack_dual(x)
+        k, rows = self.probe.replicas, self.probe.replicas * self.probe.sequences
+        if tangent is None or k == 1 or p.dim() < 3 or p.shape[0] != rows:
+            return torch.nn.functional.linear(x, w, b)
+        one = torch.nn.functional.linear(p[::k], w, b)  # [S, T, N]
+        primal_out = one.repeat_interleave(k, dim=0)  # sequence s, replica r at s * k + r
+        return fwAD.make_dual(primal_out, torch.nn.functional.linear(tangent, w))
+
+
+def _values(truth, seqs: list[list[int]], targets: list[list[int]]) -> list[tuple]:
+    """``(logprob, best, gap)`` per row of each sequence (all of one length) from the fp64 forward (values only:
+    no probes), for an fp32 probed pass."""
+    with torch.no_grad():
+        x = torch.cat([truth.embed(ids) for ids in seqs])
+        pe = truth._positions(x)
+        for i in range(truth.cfg.num_layers):
+            with truth.layer(i) as layer, recording(Recorder(truth.cfg, False, {}, i)):
+                x = truth._run(layer, x, pe)
+        h = truth.final_norm(x)
+        w = truth.lm_head()
+        out = []
+        for s, tg in enumerate(targets):
+            tg = torch.tensor(tg, device=w.device)
+            rows = max(1, HEAD_ELEMENTS // w.shape[0])
+            parts = []
+            for lo in range(0, h.shape[1], rows):
+                logits = h[s, lo:lo + rows] @ w.T
+                c = tg[lo:lo + rows, None]
+                best = logits.argmax(-1)
+                parts.append((logits.gather(1, c)[:, 0] - torch.logsumexp(logits, -1), best,
+                              logits.gather(1, best[:, None])[:, 0] - logits.gather(1, c)[:, 0]))
+            out.append(tuple(torch.cat([p[i] for p in parts]) for i in range(3)))
+    return out
+
+
+@contextlib.contextmanager
+def _fast_fp32(device: torch.device):
+    """fp32 GEMMs in TF32 on CUDA (the fp32 probes' arithmetic; docs/truth.md gives the estimates' measured
+    change); restored after."""
+    if device.type != "cuda":
+        yield
+        return
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def _head(truth, h: torch.Tensor, w: torch.Tensor, targets: list[int], tp: int, gen, values=None) -> Probed:
     """The LM head (a BF16 ``dot`` store) of one sequence's replicas ``h [K, T, H]`` (dual), in chunks of rows,
-    reduced at once to the per-row statistics against ``targets``."""
+    reduced at once to the per-row statistics against ``targets``. ``values``: the rows' ``(logprob, best, gap)``
+    from the fp64 forward (the gap's estimate is then taken for that best token)."""
     k, t, width = h.shape
     rows = max(1, HEAD_ELEMENTS // (k * w.shape[0]))
     tg = torch.tensor(targets, device=w.device)
@@ -296,14 +384,19 @@ def _head(truth, h: torch.Tensor, w: torch.Tensor, targets: list[int], tp: int, 
         store = Probe(k, c, tp, gen).perturb("dot", p0.expand(k, c, -1), lambda: hp.abs() @ w.abs().T, width, False)
         z = fwAD.unpack_dual(store).tangent + ht @ w.T
         tc = tg[lo:lo + c]
-        lp = p0.gather(1, tc[:, None])[:, 0] - torch.logsumexp(p0, -1)
         dz = z.gather(2, tc.expand(k, -1)[..., None])[..., 0] - (z * torch.softmax(p0, -1)).sum(-1)
-        best = p0.argmax(-1)
-        gap = p0.gather(1, best[:, None])[:, 0] - p0.gather(1, tc[:, None])[:, 0]
+        if values is None:
+            lp = p0.gather(1, tc[:, None])[:, 0] - torch.logsumexp(p0, -1)
+            best = p0.argmax(-1)
+            gap = p0.gather(1, best[:, None])[:, 0] - p0.gather(1, tc[:, None])[:, 0]
+        else:
+            lp, best, gap = (v[lo:lo + c] for v in values)
         dg = z.gather(2, best.expand(k, -1)[..., None])[..., 0] - z.gather(2, tc.expand(k, -1)[..., None])[..., 0]
         parts.append((lp, dz.pow(2).mean(0), best, gap, dg.pow(2).mean(0)))
         del store, z
     cat = [torch.cat([p[i] for p in parts]).cpu() for i in range(5)]
+    if values is not None:  # the estimates in fp64 beside fp64 values
+        cat = [c.double() if c.is_floating_point() else c for c in cat]
     return Probed(cat[0], cat[1], cat[2], cat[3], cat[4], k)
 
 
