@@ -99,15 +99,23 @@ def run(path: str, workload_name: str, device: str, budget_s: float, b_path: str
     groups: dict[tuple[str, int], list] = {}  # sequences of one weight set and length share probed passes
     for x in all_seqs:
         groups.setdefault((x[0], len(x[1]) + len(x[2])), []).append(x)
-    for (ws, n), group in sorted(groups.items(), key=lambda kv: kv[0][1]):
-        for lo in range(0, len(group), chunk):
-            if time.perf_counter() - t0 > budget_s:
-                break
-            part = group[lo:lo + chunk]
-            models[ws].teacher_forced_many([(p, c) for _, p, c in part], workload.probes, precision=precision)
-            done_flops += sum(flops[id(x)] for x in part)
-            done += len(part)
-            tokens += n * len(part)
+    import contextlib
+
+    from reference_impl.truth.probes import keeping_layers
+
+    with contextlib.ExitStack() as keep:
+        if precision != "fp64":  # each weight set's layers decoded and cast once (the fp32 copies fit a GPU)
+            for m in {id(m): m for m in models.values()}.values():
+                keep.enter_context(keeping_layers(m.truth))
+        for (ws, n), group in sorted(groups.items(), key=lambda kv: kv[0][1]):
+            for lo in range(0, len(group), chunk):
+                if time.perf_counter() - t0 > budget_s:
+                    break
+                part = group[lo:lo + chunk]
+                models[ws].teacher_forced_many([(p, c) for _, p, c in part], workload.probes, precision=precision)
+                done_flops += sum(flops[id(x)] for x in part)
+                done += len(part)
+                tokens += n * len(part)
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0

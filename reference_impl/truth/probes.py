@@ -279,9 +279,7 @@ def _probe_pass(truth, seqs: list[list[int]], targets: list[list[int]], probes: 
         x = fwAD.make_dual(x, torch.zeros_like(x))
         pe = truth._positions(x)
         for i in range(truth.cfg.num_layers):
-            with truth.layer(i) as layer:
-                if dtype != torch.float64:  # (DeepSeek's router stays fp32 in fp64 mode, as transformers has it)
-                    layer.to(dtype)
+            with _layer(truth, i, dtype) as layer:
                 share_primal(layer, probe)
                 rec = Recorder(truth.cfg, False, {}, i, probe=probe)
                 with recording(rec):
@@ -300,6 +298,39 @@ def _probe_pass(truth, seqs: list[list[int]], targets: list[list[int]], probes: 
             for s in range(n):
                 out[s].routes.append((d, gp[s, 0].cpu(), gt[s].pow(2).mean(0).cpu()))
     return out
+
+
+@contextlib.contextmanager
+def keeping_layers(truth, dtype: torch.dtype = torch.float32, budget_bytes: int | None = None):
+    """Probed passes in ``dtype`` inside this context reuse each decoder layer built once (its weights decoded
+    and cast once, not at every pass) while their parameters fit ``budget_bytes`` (default: a quarter of the
+    truth device's memory, 2 GiB on a CPU); freed on exit. A workload's truth makes hundreds of passes."""
+    if budget_bytes is None:
+        budget_bytes = (torch.cuda.get_device_properties(truth.device).total_memory // 4
+                        if truth.device.type == "cuda" else 2 << 30)
+    truth._probe_layers = {"dtype": dtype, "budget": budget_bytes, "bytes": 0, "layers": {}}
+    try:
+        yield
+    finally:
+        truth._probe_layers = None
+
+
+@contextlib.contextmanager
+def _layer(truth, i: int, dtype: torch.dtype):
+    """Decoder layer ``i`` in ``dtype``: kept by :func:`keeping_layers` if one is open for ``dtype``."""
+    keep = getattr(truth, "_probe_layers", None)
+    if keep is not None and keep["dtype"] == dtype and i in keep["layers"]:
+        yield keep["layers"][i]
+        return
+    with truth.layer(i) as layer:
+        if dtype != torch.float64:  # (DeepSeek's router stays fp32 in fp64 mode, as transformers has it)
+            layer.to(dtype)
+        if keep is not None and keep["dtype"] == dtype:
+            size = sum(p.numel() * p.element_size() for p in layer.parameters())
+            if keep["bytes"] + size <= keep["budget"]:
+                keep["layers"][i] = layer
+                keep["bytes"] += size
+        yield layer
 
 
 def share_primal(layer: torch.nn.Module, probe: Probe) -> None:
