@@ -196,9 +196,11 @@ def main() -> None:
         if a.compare_precision:
             change = truth_workload.precision_change(path, a.workload, device)
             print(json.dumps(change), flush=True)
-            print(f"fp32 estimates against fp64 (same draws; {change['rows']} rows): max |V32/V64 - 1| = "
-                  f"{change['max_rel_change']:.2e}, mean {change['mean_rel_change']:.2e}; values identical: "
-                  f"{change['values_identical']}", flush=True)
+            for mode in ("bf16", "tf32"):
+                c = change[mode]
+                print(f"fp32 probes, tangent GEMMs in {mode}, against fp64 from the same draws ({c['rows']} rows): "
+                      f"|V32/V64 - 1| max {c['max_abs']:.2e}, mean {c['mean_abs']:.2e}, signed mean {c['mean']:+.2e}; "
+                      f"values differ by at most {c['value_diff']:.1e}", flush=True)
         row = truth_workload.run(path, a.workload, device, a.budget_s, chunk=a.chunk, precision=a.precision)
         print(json.dumps(row))
         print(f"\ntruth device {device}; {path}")

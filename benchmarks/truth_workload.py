@@ -144,24 +144,36 @@ def table(r: dict) -> str:
 def precision_change(path: str, workload_name: str, device: str, lengths: tuple[int, ...] = (80, 513),
                      per_length: int = 4, probes: int = 16) -> dict:
     """The fp32 probes' variance estimates against the fp64 ones from the same draws (same seed, same batching)
-    on ``per_length`` sequences of each of ``lengths`` tokens: the largest and the mean ``|V32 / V64 - 1|`` over
-    every row's logprob and gap estimate, and whether the values (fp64 in both) are identical."""
+    on ``per_length`` sequences of each of ``lengths`` tokens, with the tangent GEMMs in BF16 (the default) and
+    in TF32: per mode the largest, mean and mean signed ``V32 / V64 - 1`` over every row's logprob and gap
+    estimate, and the largest difference of the values (fp64 in both)."""
+    import reference_impl.truth.probes as probes_mod
     from conformance.server.workloads import load
-    from reference_impl.truth.probes import probe_sequences
     from reference_impl.truth.golden import ExactModel
 
     workload = load(workload_name)
     model = ExactModel(path, device)
-    ratios, same = [], True
-    for n in lengths:
-        seqs = workload.prompts(model.cfg.vocab_size, n, per_length, "precision")
-        targets = [q[1:] + [q[0]] for q in seqs]
-        r64, r32 = (probe_sequences(model.truth, seqs, targets, probes, seed=5, precision=p) for p in ("fp64", "fp32"))
-        for a, b in zip(r64, r32):
-            same &= bool(torch.equal(a.logprob, b.logprob) and torch.equal(a.best, b.best))
-            ratios.append((b.logprob_var / a.logprob_var - 1).abs())
-            keep = a.gap_var > 0
-            ratios.append((b.gap_var[keep] / a.gap_var[keep] - 1).abs())
-    allr = torch.cat(ratios)
-    return {"rows": int(allr.numel()), "max_rel_change": float(allr.max()), "mean_rel_change": float(allr.mean()),
-            "values_identical": same, "lengths": list(lengths), "probes": probes}
+    rows = probes_mod.rows_budget(model.cfg, torch.float64)  # the fp64 batching for both
+    batches = [workload.prompts(model.cfg.vocab_size, n, per_length, "precision") for n in lengths]
+    ref = [probes_mod.probe_sequences(model.truth, q, [x[1:] + [x[0]] for x in q], probes, seed=5, max_rows=rows)
+           for q in batches]
+    out = {"lengths": list(lengths), "per_length": per_length, "probes": probes}
+    default = probes_mod.TANGENT_GEMM
+    try:
+        for name, gemm in (("bf16", torch.bfloat16), ("tf32", None)):
+            probes_mod.TANGENT_GEMM = gemm
+            ratios, value_diff = [], 0.0
+            for q, r64 in zip(batches, ref):
+                r32 = probes_mod.probe_sequences(model.truth, q, [x[1:] + [x[0]] for x in q], probes, seed=5,
+                                                 max_rows=rows, precision="fp32")
+                for a, b in zip(r64, r32):
+                    value_diff = max(value_diff, float((a.logprob - b.logprob).abs().max()))
+                    ratios.append(b.logprob_var / a.logprob_var - 1)
+                    keep = a.gap_var > 0
+                    ratios.append(b.gap_var[keep] / a.gap_var[keep] - 1)
+            r = torch.cat(ratios)
+            out[name] = {"rows": int(r.numel()), "max_abs": float(r.abs().max()), "mean_abs": float(r.abs().mean()),
+                         "mean": float(r.mean()), "value_diff": value_diff}
+    finally:
+        probes_mod.TANGENT_GEMM = default
+    return out

@@ -317,9 +317,9 @@ class ExactModel:
         return self._memo(("forced", _ints(prompt), _ints(continuation), float(temperature)), compute)
 
     def teacher_forced(self, prompt: list[int], continuation: list[int], probes: int | None = None, tp: int = 1,
-                       seed: int = 0) -> TeacherForced:
+                       seed: int = 0, precision: str = "fp64") -> TeacherForced:
         """``prompt + continuation`` teacher forced (:class:`TeacherForced`); see :meth:`teacher_forced_many`."""
-        return self.teacher_forced_many([(prompt, continuation)], probes, tp, seed)[0]
+        return self.teacher_forced_many([(prompt, continuation)], probes, tp, seed, precision=precision)[0]
 
     def teacher_forced_many(self, pairs: list[tuple[list[int], list[int]]], probes: int | None = None, tp: int = 1,
                             seed: int = 0, max_rows: int | None = None, precision: str = "fp64"

@@ -47,6 +47,9 @@ DEFAULT_PROBES = 64
 #: fp64 forward, the variance estimates from an fp32 pass with TF32 GEMMs on CUDA; docs/truth.md measures the
 #: change of the estimates)
 PRECISIONS = ("fp64", "fp32")
+#: the fp32 passes' tangent GEMMs (the linears', the weight draws', the LM head's): BF16 inputs with fp32
+#: accumulation (docs/truth.md: what that changes, measured against fp64 from the same draws); None: fp32/TF32
+TANGENT_GEMM: torch.dtype | None = torch.bfloat16
 #: weight-rounding draws made at once (fp64 elements: 2 GiB): a large model's replicas are drawn in groups
 WEIGHT_DRAW_ELEMENTS = 1 << 28
 
@@ -87,12 +90,21 @@ class Probe:
         self.replicas, self.tokens, self.tp = replicas, tokens, tp
         self.sequences = sequences  # batch rows: sequence s, replica k at s * replicas + k
         self.generator = generator
+        #: the dtype of the tangents' GEMMs (None: the primal's); see :data:`TANGENT_GEMM`
+        self.gemm_dtype: torch.dtype | None = None
 
     def _randn(self, shape, like: torch.Tensor) -> torch.Tensor:
         # float32 normals (3x faster to draw than fp64): their quantization (2^-24 relative) and Box-Muller's
         # float32 tail (|g| < 5.8) move the variance by < 1e-6 relative, nothing against the chi^2 spread
         g = torch.randn(shape, dtype=torch.float32, generator=self.generator, device=like.device)
         return g.to(like.dtype)
+
+    def _draw(self, shape, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Standard normals in ``dtype`` (BF16 draws for BF16 GEMMs: their quantization, 2^-9 relative, moves
+        the variance by < 1e-5)."""
+        if dtype == torch.bfloat16:
+            return torch.randn(shape, dtype=dtype, generator=self.generator, device=like.device)
+        return self._randn(shape, like.to(dtype) if like.dtype != dtype else like)
 
     def perturb(self, kind: str, value: torch.Tensor, info, n: int, reduced: bool) -> torch.Tensor:
         primal, upstream = fwAD.unpack_dual(value)
@@ -138,8 +150,10 @@ class Probe:
         group = max(1, min(k, WEIGHT_DRAW_ELEMENTS // w_abs.numel()))  # replicas whose weight draws are made at once
         if shared:  # x: [S * T, K_in], replica 0 of each sequence
             x3 = x.reshape(self.sequences, self.tokens, -1)
-            out = torch.cat([torch.einsum("stc,knc->sktn", x3, self._randn((min(group, k - lo), *w_abs.shape), w_abs)
-                                          .mul_(U_BF16 * w_abs)) for lo in range(0, k, group)], dim=1)  # [S, K, T, N]
+            low = self.gemm_dtype or x.dtype
+            xl, sigma = x3.to(low), (U_BF16 * w_abs).to(low)
+            out = torch.cat([torch.einsum("stc,knc->sktn", xl, self._draw((min(group, k - lo), *w_abs.shape), w_abs, low)
+                                          .mul_(sigma)).to(x.dtype) for lo in range(0, k, group)], dim=1)  # [S, K, T, N]
             if w_awq is not None:  # the AWQ input x * pre_quant_scale rounded: one variable per element
                 out = out + (U_BF16 * x3.abs()[:, None] * self._randn((self.sequences, k, *x3.shape[1:]), x3)) @ w_awq.T
             return out
@@ -273,6 +287,8 @@ def _probe_pass(truth, seqs: list[list[int]], targets: list[list[int]], probes: 
     gen = torch.Generator(device=truth.device).manual_seed(seed)
     n, t = len(seqs), len(seqs[0])
     probe = Probe(probes, t, tp, gen, sequences=n)
+    if dtype != torch.float64:
+        probe.gemm_dtype = TANGENT_GEMM
     routes: list[RouteDecision] = []
     with fwAD.dual_level(), torch.no_grad():
         x = torch.cat([truth.embed(ids).to(dtype).expand(probes, t, -1) for ids in seqs]).contiguous()
@@ -290,7 +306,7 @@ def _probe_pass(truth, seqs: list[list[int]], targets: list[list[int]], probes: 
         del x
         w = truth.lm_head().to(dtype)
         out = [_head(truth, h[s * probes:(s + 1) * probes], w, targets[s], tp, gen,
-                     None if values is None else values[s]) for s in range(n)]
+                     None if values is None else values[s], probe.gemm_dtype) for s in range(n)]
         for d in routes:
             gp, gt = fwAD.unpack_dual(d.gaps)
             gt = gt if gt is not None else torch.zeros_like(gp)
@@ -343,18 +359,27 @@ def share_primal(layer: torch.nn.Module, probe: Probe) -> None:
 
 
 class _SharedPrimalLinear:
+    # holds the module's tensors, not the module: a module -> forward -> module cycle would keep every layer's
+    # weights alive until Python's cyclic collector happened to run (out of GPU memory within minutes)
     def __init__(self, mod: torch.nn.Linear, probe: Probe):
-        self.mod, self.probe = mod, probe
+        self.weight, self.bias, self.probe = mod.weight, mod.bias, probe
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        w, b = self.mod.weight, self.mod.bias
+        w, b = self.weight, self.bias
         p, tangent = fwAD.unpack_dual(x)
         k, rows = self.probe.replicas, self.probe.replicas * self.probe.sequences
         if tangent is None or k == 1 or p.dim() < 3 or p.shape[0] != rows:
             return torch.nn.functional.linear(x, w, b)
         one = torch.nn.functional.linear(p[::k], w, b)  # [S, T, N]
         primal_out = one.repeat_interleave(k, dim=0)  # sequence s, replica r at s * k + r
-        return fwAD.make_dual(primal_out, torch.nn.functional.linear(tangent, w))
+        return fwAD.make_dual(primal_out, _tangent_gemm(tangent, w, self.probe.gemm_dtype))
+
+
+def _tangent_gemm(tangent: torch.Tensor, w: torch.Tensor, low: torch.dtype | None) -> torch.Tensor:
+    """``tangent @ w.T`` in the tangent's dtype, or in ``low`` (fp32 accumulation) and back."""
+    if low is None or low == tangent.dtype:
+        return torch.nn.functional.linear(tangent, w)
+    return torch.nn.functional.linear(tangent.to(low), w.to(low)).to(tangent.dtype)
 
 
 def _values(truth, seqs: list[list[int]], targets: list[list[int]]) -> list[tuple]:
@@ -398,7 +423,8 @@ def _fast_fp32(device: torch.device):
         torch.backends.cuda.matmul.allow_tf32 = before
 
 
-def _head(truth, h: torch.Tensor, w: torch.Tensor, targets: list[int], tp: int, gen, values=None) -> Probed:
+def _head(truth, h: torch.Tensor, w: torch.Tensor, targets: list[int], tp: int, gen, values=None,
+          gemm_dtype: torch.dtype | None = None) -> Probed:
     """The LM head (a BF16 ``dot`` store) of one sequence's replicas ``h [K, T, H]`` (dual), in chunks of rows,
     reduced at once to the per-row statistics against ``targets``. ``values``: the rows' ``(logprob, best, gap)``
     from the fp64 forward (the gap's estimate is then taken for that best token)."""
@@ -413,7 +439,7 @@ def _head(truth, h: torch.Tensor, w: torch.Tensor, targets: list[int], tp: int, 
         p0 = (hp @ w.T)[0]                                  # the replicas' primal is one: computed once
         # the linearised head by hand (the tangent through the product, then the store's own draws)
         store = Probe(k, c, tp, gen).perturb("dot", p0.expand(k, c, -1), lambda: hp.abs() @ w.abs().T, width, False)
-        z = fwAD.unpack_dual(store).tangent + ht @ w.T
+        z = fwAD.unpack_dual(store).tangent + _tangent_gemm(ht, w, gemm_dtype)
         tc = tg[lo:lo + c]
         dz = z.gather(2, tc.expand(k, -1)[..., None])[..., 0] - (z * torch.softmax(p0, -1)).sum(-1)
         if values is None:
