@@ -76,14 +76,14 @@ SCENARIOS = (
 SCENARIOS_BY_ID = {s.id: s for s in SCENARIOS}
 
 
-def workload_scenario(workload, device: str | None, report_dir=None) -> Scenario:
+def workload_scenario(workload, device: str | None, report_dir=None, precision: str = "fp64") -> Scenario:
     """The scenario of ``--workload``: ``workload`` sent and judged position by position
     (conformance/server/workload_scenario.py)."""
     def run(ctx: ScenarioContext) -> None:
         from conformance.server.workload_scenario import run_workload
 
         serve_a(ctx)  # weight set a serving (reloaded where the API can), as every scenario starts
-        coverage = run_workload(ctx, workload, device, report_dir)
+        coverage = run_workload(ctx, workload, device, report_dir, precision)
         ctx.golden.compared += coverage.judged
         ctx.golden.worst_ratio = max([ctx.golden.worst_ratio] + [c.worst_ratio for c in coverage.cells.values()])
         ctx.golden.observations += coverage.notes + [f"workload {workload.name}: {coverage.judged} positions judged "

@@ -192,22 +192,33 @@ class WorkloadJudge:
     """Judges answers against one checkpoint per weight set (``exact[weight set]``: an
     :class:`reference_impl.truth.golden.ExactModel`), adding to ``coverage``."""
 
-    def __init__(self, exact: dict, coverage: Coverage, tp: int = 1, probes: int | None = None):
+    def __init__(self, exact: dict, coverage: Coverage, tp: int = 1, probes: int | None = None,
+                 precision: str = "fp64"):
         from reference_impl.truth.probes import DEFAULT_PROBES, probe_lambda
 
-        self.exact, self.coverage, self.tp = exact, coverage, tp
+        self.exact, self.coverage, self.tp, self.precision = exact, coverage, tp, precision
         self.probes = probes or DEFAULT_PROBES
         self.lam = probe_lambda(self.probes, GOLDEN_LAMBDA)  # the golden bounds' risk
 
     def bound(self, var: float) -> float:
         return self.lam * math.sqrt(max(float(var), 0.0))
 
+    def prefetch(self, answers: list[TokenGeneration], plans: list[Planned]) -> None:
+        """The truth of a batch of answers at once (per weight set): sequences of one length share probed passes
+        (one pass per sequence would make every pass carry its own weight draws); :meth:`judge` then finds them."""
+        by_set: dict[str, list] = {}
+        for answer, plan in zip(answers, plans):
+            if answer.ids:
+                by_set.setdefault(plan.weight_set, []).append((list(answer.prompt_ids), list(answer.ids)))
+        for weight_set, pairs in by_set.items():
+            self.exact[weight_set].teacher_forced_many(pairs, self.probes, self.tp, precision=self.precision)
+
     def judge(self, answer: TokenGeneration, plan: Planned) -> None:
         prompt, cont = list(answer.prompt_ids), list(answer.ids)
         if not cont:
             raise AssertionError(f"{plan.request}: the server generated no token (asked for a continuation)")
         model = self.exact[plan.weight_set]
-        tf = model.teacher_forced(prompt, cont, self.probes, self.tp)
+        tf = model.teacher_forced(prompt, cont, self.probes, self.tp, precision=self.precision)
         lp_engine = list(answer.prompt_logprobs or ()) + list(answer.logprobs)
         first_row = 0 if answer.prompt_logprobs is not None else len(prompt) - 1
         rows = range(first_row, len(prompt) + len(cont) - 1)

@@ -36,9 +36,10 @@ def exact_model(path: str, device: str | None):
         return _EXACT[path]
 
 
-def run_workload(ctx, workload: Workload, device: str | None, report_dir=None) -> Coverage:
+def run_workload(ctx, workload: Workload, device: str | None, report_dir=None, precision: str = "fp64") -> Coverage:
     """Send ``workload`` through ``ctx.client`` and judge it; raises AssertionError naming the failing buckets.
-    A dialect that cannot send token ids or return prompt logprobs skips (pytest.skip) with its reason."""
+    A dialect that cannot send token ids or return prompt logprobs skips (pytest.skip) with its reason.
+    ``precision``: the truth's probed passes (``--truth-precision``; reference_impl/truth/probes.py)."""
     import pytest
 
     client, spec = ctx.client, SamplingSpec(workload.continuation, 0.0, ignore_eos=True)
@@ -46,8 +47,11 @@ def run_workload(ctx, workload: Workload, device: str | None, report_dir=None) -
     exact = {"a": exact_model(truth.a, device), "b": exact_model(truth.b, device)}
     vocab_size = exact["a"].cfg.vocab_size
     workload.check(max_positions=exact["a"].cfg.max_position_embeddings)
+    if precision != "fp64" and exact["a"].cfg.top_k:
+        pytest.fail(f"{ctx.name}: --truth-precision {precision} is for dense checkpoints; {ctx.model.name} routes "
+                    f"(an fp32 pass may route a near-tie otherwise than the fp64 values): use fp64", pytrace=False)
     coverage = Coverage(workload.name)
-    judge = WorkloadJudge(exact, coverage, ctx.tp, workload.probes)
+    judge = WorkloadJudge(exact, coverage, ctx.tp, workload.probes, precision)
     pool = workload.prompts(vocab_size, workload.short_length, workload.pool_size, "pool")
     can_reload = not client.missing(("reload_weights",))
 
@@ -67,7 +71,9 @@ def run_workload(ctx, workload: Workload, device: str | None, report_dir=None) -
             if len(answer.ids) != workload.continuation:
                 raise AssertionError(f"{p.request}: {len(answer.ids)} tokens generated, asked for "
                                      f"{workload.continuation} with ignore_eos")
-            if judge_now:
+        if judge_now:
+            judge.prefetch(answers, plan)
+            for answer, p in zip(answers, plan):
                 judge.judge(answer, p)
         return answers if judge_now else list(zip(answers, plan))
 
@@ -77,7 +83,9 @@ def run_workload(ctx, workload: Workload, device: str | None, report_dir=None) -
     for b in workload.decode_batches:  # decode at M = b
         send(pool[:b], [Planned(f"batch of {b}, prompt {i}", "a", b * workload.short_length, b) for i in range(b)])
     _repeated(workload, pool, send, coverage)
-    for answer, p in _mixed(workload, pool, send, vocab_size):
+    mixed = _mixed(workload, pool, send, vocab_size)
+    judge.prefetch([a for a, _ in mixed], [p for _, p in mixed])
+    for answer, p in mixed:
         judge.judge(answer, p)
     if can_reload:
         _after_reload(ctx, workload, pool, send, vocab_size)

@@ -26,12 +26,15 @@ MINI = Workload(name="mini", prefill_lengths=(5, 129), decode_batches=(2, 17), s
                 repeat=(2, 2), mixed=(33, 2), reload_batches=(17,), probes=32)
 
 CASES = [
-    # (mutant, family, caught, what the failure must name)
-    ("large_prefill_drops_k_block", "dense-nvfp4_awq", True, r"prefill M 129-256"),
-    ("large_decode_batch_drops_k_block", "dense-nvfp4_awq", True, r"decode M 17-32, batch of 17"),
-    ("large_batch_stale_after_reload", "dense-nvfp4_awq", True, r"decode M 17-32, after a reload of b"),
-    ("moe_expert_workspace_32", "moe-w4a16_nvfp4", True, r"prefill M 129-256"),
-    ("bucketed_reduction_order", "dense-nvfp4_awq", False, ""),
+    # (mutant, family, caught, what the failure must name, the truth's probe precision)
+    ("large_prefill_drops_k_block", "dense-nvfp4_awq", True, r"prefill M 129-256", "fp64"),
+    ("large_decode_batch_drops_k_block", "dense-nvfp4_awq", True, r"decode M 17-32, batch of 17", "fp64"),
+    ("large_batch_stale_after_reload", "dense-nvfp4_awq", True, r"decode M 17-32, after a reload of b", "fp64"),
+    ("moe_expert_workspace_32", "moe-w4a16_nvfp4", True, r"prefill M 129-256", "fp64"),
+    ("bucketed_reduction_order", "dense-nvfp4_awq", False, "", "fp64"),
+    # --truth-precision fp32 (variance estimates from an fp32 pass): the same verdicts
+    ("large_decode_batch_drops_k_block", "dense-nvfp4_awq", True, r"decode M 17-32, batch of 17", "fp32"),
+    ("bucketed_reduction_order", "dense-nvfp4_awq", False, "", "fp32"),
 ]
 
 
@@ -40,14 +43,14 @@ def catalog():
     return ModelCatalog([], None, [], None)
 
 
-@pytest.mark.parametrize("mutant,family,caught,match", CASES, ids=[c[0] for c in CASES])
-def test_workload_judges_every_bucket(catalog, mutant, family, caught, match, tmp_path):
+@pytest.mark.parametrize("mutant,family,caught,match,precision", CASES, ids=[f"{c[0]}-{c[4]}" for c in CASES])
+def test_workload_judges_every_bucket(catalog, mutant, family, caught, match, precision, tmp_path):
     model = catalog.served(family)
     truths = {s: catalog.truth(model, s) for s in ("a", "b")}
     server = ServerProcess(TEMPLATE, 240.0, mutant=mutant, model_path=model.a, tokenizer_path=model.tokenizer, tp=1)
     try:
         client = make_dialect("sglang", server.url)
-        scenario = workload_scenario(MINI, "cpu", tmp_path)
+        scenario = workload_scenario(MINI, "cpu", tmp_path, precision)
         if caught:
             with pytest.raises(AssertionError, match=match):
                 run_scenario(scenario, client, model, truths, timeout_s=900)
@@ -60,6 +63,21 @@ def test_workload_judges_every_bucket(catalog, mutant, family, caught, match, tm
         coverage = next(tmp_path.glob("coverage-*.json"))  # written pass or fail
         assert '"status": "not reached"' not in coverage.read_text()
         assert coverage.with_suffix(".md").is_file() and coverage.with_suffix(".png").stat().st_size > 0
+    finally:
+        server.stop()
+
+
+def test_fp32_truth_refuses_a_routing_model(catalog, tmp_path):
+    """--truth-precision fp32 on an MoE checkpoint: a clear failure before any request (an fp32 pass may route a
+    near-tie otherwise than the fp64 values it would estimate for)."""
+    model = catalog.served("moe-w4a16_nvfp4")
+    truths = {s: catalog.truth(model, s) for s in ("a", "b")}
+    server = ServerProcess(TEMPLATE, 240.0, mutant="bucketed_reduction_order", model_path=model.a,
+                           tokenizer_path=model.tokenizer, tp=1)
+    try:
+        client = make_dialect("sglang", server.url)
+        with pytest.raises(pytest.fail.Exception, match="--truth-precision fp32 is for dense checkpoints"):
+            run_scenario(workload_scenario(MINI, "cpu", tmp_path, "fp32"), client, model, truths, timeout_s=300)
     finally:
         server.stop()
 
