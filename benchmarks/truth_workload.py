@@ -19,6 +19,7 @@ workload scales the measured time by the floor FLOPs of all sequences over those
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -116,6 +117,11 @@ def run(path: str, workload_name: str, device: str, budget_s: float, b_path: str
                 done_flops += sum(flops[id(x)] for x in part)
                 done += len(part)
                 tokens += n * len(part)
+                spent = time.perf_counter() - t0
+                # progress on stderr: a run stopped from outside still leaves its rate
+                print(f"[{spent:.0f} s] {done}/{len(all_seqs)} sequences, {tokens} tokens (the last {len(part)} of "
+                      f"{n}), {1e3 * spent / tokens:.1f} ms per token so far, projected "
+                      f"{spent * total_flops / done_flops:.0f} s", file=sys.stderr, flush=True)
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
