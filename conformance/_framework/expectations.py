@@ -22,9 +22,12 @@ bug cannot hide behind a known one. ``strict = false`` (``[[xfail]]`` only, with
 ``why_not_strict``) gives ``xfail(strict=False)`` instead, for a failure that does not show on every run
 (it depends on the engine's scheduling, say): a pass is reported as XPASS and does not fail the run, a
 failure is still an expected failure (and with ``match`` must still fail as recorded); the reason says
-"non-strict" and why. An entry that matches no collected test, although the run collected where it points,
-fails the run through a synthetic test ``<file>::stale[<id>]``, so the list cannot rot. Ids are relative to
-the rootdir (the repository root), as pytest prints them.
+"non-strict" and why. Every test an ``[[xfail]]`` entry covers carries the entry in its user properties
+(:data:`ENTRY_PROPERTY`, :data:`REASON_PROPERTY`, and :data:`WHY_NOT_STRICT_PROPERTY` for a non-strict one),
+so the reports can list the non-strict known failures that did not show (docs/reports.md) and ci/stress.py can
+tell them apart in a JUnit report. An entry that matches no collected test, although the run collected where
+it points, fails the run through a synthetic test ``<file>::stale[<id>]``, so the list cannot rot. Ids are
+relative to the rootdir (the repository root), as pytest prints them.
 """
 from __future__ import annotations
 
@@ -43,6 +46,12 @@ else:  # pragma: no cover - Python 3.10
 KINDS = ("xfail", "unsupported")
 _ALLOWED_KEYS = {"id", "reason", "link", "match", "evidence", "strict", "why_not_strict"}
 _KEY = pytest.StashKey["ExpectationSet"]()
+#: User properties of a test an [[xfail]] entry covers (in the JSON summary's ``properties`` and, with
+#: ``junit_family=xunit1``, the JUnit report's): the entry's id, its reason, and its why_not_strict (only
+#: for a ``strict = false`` entry: its presence is what marks the test's known failure as non-strict).
+ENTRY_PROPERTY = "known_failure_entry"
+REASON_PROPERTY = "known_failure_reason"
+WHY_NOT_STRICT_PROPERTY = "known_failure_why_not_strict"
 
 
 class ExpectationFileError(ValueError):
@@ -205,7 +214,11 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         if unsupported:
             item.add_marker(pytest.mark.skip(reason=f"unsupported: {unsupported[0].describe()}"))
         elif matches:
-            item.add_marker(pytest.mark.xfail(strict=matches[0].strict, reason=matches[0].xfail_reason()))
+            entry = matches[0]
+            item.add_marker(pytest.mark.xfail(strict=entry.strict, reason=entry.xfail_reason()))
+            item.user_properties += [(ENTRY_PROPERTY, entry.id), (REASON_PROPERTY, entry.describe())]
+            if not entry.strict:
+                item.user_properties.append((WHY_NOT_STRICT_PROPERTY, entry.why_not_strict))
     result = yield
     scopes = _scopes(config)
     for entry in exp.entries:

@@ -268,6 +268,7 @@ class _RunState:
             "counts": counts,
             "rules": reporting.rules_under_test(tests),
             "run_errors": [],
+            reporting.NOT_SHOWN_KEY: reporting.known_failures_not_shown(tests),
             "tests": tests,
         }
         if int(exitstatus) not in (0, 1, 5):
@@ -347,3 +348,5 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     for t in summary["tests"]:
         if t["outcome"] in reporting.FAILING_OUTCOMES and t["repro"]:
             tr.line(f"{t['outcome']}: {t['nodeid']}\n    repro: {t['repro']}")
+    for t in summary.get(reporting.NOT_SHOWN_KEY, []):
+        tr.line(f"known failure did not show (non-strict XPASS, not a failure): {t['nodeid']}")

@@ -141,6 +141,32 @@ def test_non_strict_entries_xfail_or_xpass_without_failing_the_run(probe):
     assert fixed["message"] == "known failure (non-strict: shows only when the scheduler batches): batch variant"
 
 
+def test_reports_list_the_non_strict_pass_and_no_other_known_failure(probe):
+    """A non-strict entry whose test passed (its known failure did not show) is listed in report.md's own section
+    and summary.json's known_failures_not_shown, with the entry's reason and why_not_strict; a non-strict entry
+    that failed as recorded and a strict entry that failed are not. The verdict stays PASS."""
+    strict = '[[xfail]]\nid = "test_dense.py::test_new_bug"\nreason = "strict one"\n'
+    (probe / "mixed.toml").write_text(NON_STRICT + strict)
+    proc, tests = run(probe, "--expectations", "mixed.toml", "test_dense.py", "-n", "2")  # through the controller
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert [tests[f"test_dense.py::test_{n}"]["outcome"] for n in ("known_bug", "fixed_bug", "new_bug")] == [
+        "xfailed", "xpassed", "xfailed"]
+    summary = json.loads((probe / "out" / "summary.json").read_text())
+    assert summary["verdict"] == "pass"
+    assert summary["known_failures_not_shown"] == [{
+        "nodeid": "test_dense.py::test_fixed_bug", "backend": "-", "tier": "cpu",
+        "entry": "test_dense.py::test_fixed_bug", "reason": "batch variant",
+        "why_not_strict": "shows only when the scheduler batches"}]
+    markdown = (probe / "out" / "report.md").read_text()
+    assert "**Verdict: PASS**" in markdown and "- Known failures that did not show: 1 " in markdown
+    section = markdown.split("\n## Known failures that did not show (non-strict XPASS)\n", 1)[1].split("\n## ", 1)[0]
+    assert "If this keeps passing, the engine may have been fixed: remove the entry or make it strict." in section
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    assert rows == ["| `test_dense.py::test_fixed_bug` | `test_dense.py::test_fixed_bug` | batch variant "
+                    "| shows only when the scheduler batches |"]
+    assert "known failure did not show (non-strict XPASS, not a failure): test_dense.py::test_fixed_bug" in proc.stdout
+
+
 def test_non_strict_entry_still_demands_the_recorded_failure(probe):
     (probe / "nonstrict.toml").write_text(
         '[[xfail]]\nid = "test_dense.py::test_new_bug"\nreason = "r"\nmatch = "planted failure$"\n'

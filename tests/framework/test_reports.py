@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from conformance._framework.reporting import area_of, merge_summaries, render_markdown, table_rows
+from conformance._framework.reporting import (NOT_SHOWN_HINT, NOT_SHOWN_KEY, area_of, known_failures_not_shown,
+                                              merge_summaries, render_markdown, table_rows)
 
 pytestmark = pytest.mark.integration  # starts servers or whole pytest runs (ci/time_tests.py times them apart)
 
@@ -265,6 +266,47 @@ def test_merge_keeps_every_tier_runs_tests_and_skipped_tiers():
     assert merged["tiers"] == {"run": ["cpu", "cuda"], "skipped": {"b200": "needs SM100/SM103"}}
     assert merged["verdict"] == "pass"
     assert render_markdown(merged).startswith("# NVFP4 W4A16 conformance report\n\n**Verdict: PASS**")
+
+
+def _covered(t, entry, reason, why=None):
+    """A test an [[xfail]] entry covers, with the properties the expectations plugin records."""
+    t["properties"] = {"known_failure_entry": entry, "known_failure_reason": reason,
+                       **({"known_failure_why_not_strict": why} if why else {})}
+    return t
+
+
+def test_non_strict_xpass_gets_its_own_section_and_list_but_no_failure():
+    """A known failure that did not show (XPASS of a non-strict entry) is listed with the entry's reason and
+    why_not_strict, under the hint; a strict xfail and a non-strict one that failed are not; the verdict is PASS."""
+    xpassed = _covered(_t("t/test_server.py::test_batch[vllm]", "xpassed", message="known failure (non-strict: w)"),
+                       "t/test_server.py::test_batch", "not batch invariant (https://x/1)", "only when | co-batched")
+    strict = _covered(_t("t/test_server.py::test_reload", "xfailed", message="known failure: r"),
+                      "t/test_server.py::test_reload", "reload reports success")
+    failed_as_recorded = _covered(_t("t/test_server.py::test_batch[sglang]", "xfailed"),
+                                  "t/test_server.py::test_batch", "not batch invariant (https://x/1)", "w")
+    passed = _t("t/test_server.py::test_ok", "passed")
+    tests = [xpassed, strict, failed_as_recorded, passed]
+    listed = {"nodeid": "t/test_server.py::test_batch[vllm]", "backend": "b", "tier": "cpu",
+              "entry": "t/test_server.py::test_batch", "reason": "not batch invariant (https://x/1)",
+              "why_not_strict": "only when | co-batched"}
+    assert known_failures_not_shown(tests) == [listed]
+    md = render_markdown(_summary(tests))
+    assert "**Verdict: PASS**" in md and "- Known failures that did not show: 1 (non-strict XPASS" in md
+    section = md.split("\n## Known failures that did not show (non-strict XPASS)\n", 1)[1].split("\n## ", 1)[0]
+    assert NOT_SHOWN_HINT in section
+    assert [line for line in section.splitlines() if line.startswith("| `")] == [
+        "| `t/test_server.py::test_batch[vllm]` | `t/test_server.py::test_batch` | not batch invariant "
+        "(https://x/1) | only when \\| co-batched |"]
+    assert "test_reload" not in section and "[sglang]" not in section
+    # the expected failures keep their own table; nothing else is said about them
+    assert "did not show" not in render_markdown(_summary([strict, failed_as_recorded, passed]))
+    # an XPASS outside an expectations file (an xfail marker in the test) is listed with its marker's reason
+    marker = _t("t/test_dense.py::m", "xpassed", message="flaky on purpose")
+    assert known_failures_not_shown([marker]) == [{"nodeid": "t/test_dense.py::m", "backend": "b", "tier": "cpu",
+                                                   "entry": None, "reason": "flaky on purpose", "why_not_strict": None}]
+    merged = merge_summaries([_summary([strict, passed]), _summary([xpassed])], {})
+    assert merged[NOT_SHOWN_KEY] == [listed] and merged["verdict"] == "pass"
+    assert merge_summaries([_summary([strict, passed])], {})[NOT_SHOWN_KEY] == []
 
 
 # ------------------------------------------------------------------------------ tier plan

@@ -93,3 +93,58 @@ def test_vllm_runs_whose_outcomes_differ_are_flakes(stress, tmp_path):
     assert other.differing == 1 and other.flakes == 1
     assert stress.RunResult("vllm 4", 1.0, 3, 0, 0, 1, 1).flakes == 1  # the gate failed, nothing failed
     assert first.flakes == 0
+
+
+def _case(name: str, child: str = "", why_not_strict: bool = False) -> str:
+    prop = "<properties><property name='known_failure_why_not_strict' value='w'/></properties>"
+    return f"<testcase classname='c' name='{name}'>{prop if why_not_strict else ''}{child}</testcase>"
+
+
+XFAILED = "<skipped type='pytest.xfail' message='known failure'/>"
+
+
+def test_non_strict_known_failure_xfailed_or_xpassed_is_one_outcome(stress, tmp_path):
+    """A test of a non-strict [[xfail]] entry flips between xfailed and xpassed by design: not a flake. The same
+    flip without the entry, or that test turning failed, still is; a plain skip is not an xfail."""
+    def outcomes(name: str, cases: list[str]) -> dict[str, str]:
+        path = tmp_path / f"{name}.xml"
+        path.write_text(f"<testsuites><testsuite>{''.join(cases)}</testsuite></testsuites>")
+        return stress.junit_outcomes(path)
+
+    first = outcomes("first", [_case("ns", XFAILED, True), _case("strict", XFAILED), _case("skip", "<skipped/>"),
+                               _case("plain", "")])
+    assert first == {"c::ns": stress.NON_STRICT_XFAIL, "c::strict": "xfailed", "c::skip": "skipped",
+                     "c::plain": "passed"}
+    same = outcomes("same", [_case("ns", "", True), _case("strict", XFAILED), _case("skip", "<skipped/>"),
+                             _case("plain", "")])
+    assert same == first
+    flipped = outcomes("flipped", [_case("ns", "<failure message='x'/>", True), _case("strict", ""),
+                                   _case("skip", XFAILED), _case("plain", "<failure message='x'/>")])
+    run = lambda name, o: stress.RunResult(name, 1.0, 4, 0, 0, 0, 0, o)  # noqa: E731
+    assert stress.count_differing(run("vllm 1", first), run("vllm 2", same)) == 0
+    assert stress.count_differing(run("vllm 1", first), run("vllm 3", flipped)) == 4
+
+
+def test_non_strict_flip_in_real_runs_is_not_a_flake_but_a_plain_one_is(stress, tmp_path):
+    """End to end: two pytest runs under a non-strict entry, the covered test passing in one and failing as
+    recorded in the other, read back from their JUnit reports (the entry's property travels with xunit1); a
+    test without an entry that flips passed -> failed is the one difference counted."""
+    (tmp_path / "conftest.py").write_text('pytest_plugins = ["conformance.plugin"]\n')
+    _write(tmp_path, "from pathlib import Path\nFLAG = Path(__file__).with_name('fail.flag')\n"
+                     "def test_batch():\n    assert not FLAG.exists(), 'not batch invariant'\n"
+                     "def test_plain():\n    assert not FLAG.exists(), 'broken'\n")
+    (tmp_path / "exp.toml").write_text('[[xfail]]\nid = "test_planted.py::test_batch"\nreason = "r"\n'
+                                       'match = "not batch invariant"\nstrict = false\nwhy_not_strict = "scheduling"\n')
+    args = [str(tmp_path / "test_planted.py"), "-p", "no:randomly", "-o", "junit_family=xunit1",
+            "--expectations", str(tmp_path / "exp.toml")]
+    passing = stress.run_pytest("vllm 1", args, tmp_path)
+    (tmp_path / "fail.flag").write_text("")
+    failing = stress.run_pytest("vllm 2", args, tmp_path)
+    assert (passing.returncode, failing.returncode) == (0, 1), (tmp_path / "vllm-2.log").read_text()[-3000:]
+    first = stress.RunResult("vllm 1", 1.0, 2, 0, 0, 0, 0, stress.junit_outcomes(tmp_path / "vllm-1.xml"))
+    later = stress.RunResult("vllm 2", 1.0, 2, 1, 0, 0, 1, stress.junit_outcomes(tmp_path / "vllm-2.xml"))
+    batch = next(k for k in first.outcomes if k.endswith("::test_batch"))
+    plain = next(k for k in first.outcomes if k.endswith("::test_plain"))
+    assert first.outcomes[batch] == later.outcomes[batch] == stress.NON_STRICT_XFAIL
+    assert (first.outcomes[plain], later.outcomes[plain]) == ("passed", "failed")
+    assert stress.count_differing(first, later) == 1
