@@ -27,6 +27,7 @@ def _sync(device: str) -> None:
 
 def measure(checkpoint: str, device: str, shapes: list[tuple[int, int]], probes: int, modes: list[str],
             profile: bool = False) -> list[dict]:
+    import reference_impl.truth.probe_pass as pass_
     import reference_impl.truth.probes as P
     from reference_impl.truth.golden import ExactModel
 
@@ -39,7 +40,7 @@ def measure(checkpoint: str, device: str, shapes: list[tuple[int, int]], probes:
         for mode in modes:
             precision, gemm = {"fp64": ("fp64", None), "fp32-bf16": ("fp32", torch.bfloat16),
                                "fp32-tf32": ("fp32", None)}[mode]
-            P.TANGENT_GEMM = gemm
+            pass_.TANGENT_GEMM = gemm
             times = []
             with P.keeping_layers(model.truth, torch.float64 if precision == "fp64" else torch.float32):
                 for _ in range(2):  # the first builds (and keeps) the layers
@@ -60,7 +61,7 @@ def measure(checkpoint: str, device: str, shapes: list[tuple[int, int]], probes:
             rows.append({"shape": f"{n}x{t}", "mode": mode, "first_s": times[0], "kept_s": times[1],
                          "ms_per_token": 1e3 * times[1] / (n * t)})
             print(rows[-1], flush=True)
-    P.TANGENT_GEMM = torch.bfloat16
+    pass_.TANGENT_GEMM = torch.bfloat16
     return rows
 
 

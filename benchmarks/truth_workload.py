@@ -153,6 +153,7 @@ def precision_change(path: str, workload_name: str, device: str, lengths: tuple[
     on ``per_length`` sequences of each of ``lengths`` tokens, with the tangent GEMMs in BF16 (the default) and
     in TF32: per mode the largest, mean and mean signed ``V32 / V64 - 1`` over every row's logprob and gap
     estimate, and the largest difference of the values (fp64 in both)."""
+    import reference_impl.truth.probe_pass as pass_
     import reference_impl.truth.probes as probes_mod
     from conformance.server.workloads import load
     from reference_impl.truth.golden import ExactModel
@@ -164,10 +165,10 @@ def precision_change(path: str, workload_name: str, device: str, lengths: tuple[
     ref = [probes_mod.probe_sequences(model.truth, q, [x[1:] + [x[0]] for x in q], probes, seed=5, max_rows=rows)
            for q in batches]
     out = {"lengths": list(lengths), "per_length": per_length, "probes": probes}
-    default = probes_mod.TANGENT_GEMM
+    default = pass_.TANGENT_GEMM
     try:
         for name, gemm in (("bf16", torch.bfloat16), ("tf32", None)):
-            probes_mod.TANGENT_GEMM = gemm
+            pass_.TANGENT_GEMM = gemm
             ratios, value_diff = [], 0.0
             for q, r64 in zip(batches, ref):
                 r32 = probes_mod.probe_sequences(model.truth, q, [x[1:] + [x[0]] for x in q], probes, seed=5,
@@ -181,5 +182,5 @@ def precision_change(path: str, workload_name: str, device: str, lengths: tuple[
             out[name] = {"rows": int(r.numel()), "max_abs": float(r.abs().max()), "mean_abs": float(r.abs().mean()),
                          "mean": float(r.mean()), "value_diff": value_diff}
     finally:
-        probes_mod.TANGENT_GEMM = default
+        pass_.TANGENT_GEMM = default
     return out

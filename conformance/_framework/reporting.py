@@ -9,7 +9,7 @@ Public pieces:
 - :class:`TestRecord` and :func:`render_markdown` / :func:`merge_summaries`: the JSON summary's per-test
   entries and the Markdown conformance table built from a summary (one run or several tier runs merged).
 - :func:`known_failures_not_shown`: the tests whose non-strict known failure did not show in the run (XPASS),
-  the summary's :data:`NOT_SHOWN_KEY` list and report.md's section of the same name.
+  the summary's :data:`conformance._framework.report_text.NOT_SHOWN_KEY` list and report.md's section of the same name.
 
 The pytest side (hooks, options, xdist) is in :mod:`conformance._framework.report_files`.
 """
@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from conformance._framework.expectations import ENTRY_PROPERTY, REASON_PROPERTY, WHY_NOT_STRICT_PROPERTY
+from conformance._framework.report_text import (NOT_SHOWN_HINT, NOT_SHOWN_KEY, NOT_SHOWN_TITLE,  # noqa: F401 (re-exported)
+                                                known_failures_not_shown, markdown_cell, not_shown_section)
 from conformance._framework.tiers import TIERS
 
 # ------------------------------------------------------------------------------------- areas
@@ -224,28 +225,6 @@ def table_rows(tests: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-#: The JSON summary's list of :func:`known_failures_not_shown` (a stable key: CI may read it).
-NOT_SHOWN_KEY = "known_failures_not_shown"
-NOT_SHOWN_TITLE = "Known failures that did not show (non-strict XPASS)"
-NOT_SHOWN_HINT = "If this keeps passing, the engine may have been fixed: remove the entry or make it strict."
-
-
-def known_failures_not_shown(tests: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Every test whose known failure did not show in this run: outcome ``xpassed``, the XPASS of a non-strict
-    expected failure (a ``strict = false`` expectation entry), which does not fail the run. Each as ``nodeid``,
-    ``backend``, ``tier``, ``entry`` (the expectation entry's id), ``reason`` and ``why_not_strict`` (from the
-    entry; ``None`` for an xfail marker outside an expectations file, its reason taken from the message)."""
-    out = []
-    for t in tests:
-        if t["outcome"] != "xpassed":
-            continue
-        props = t.get("properties", {})  # the entry, as the expectations plugin records it on the test
-        out.append({"nodeid": t["nodeid"], "backend": t["backend"], "tier": t["tier"],
-                    "entry": props.get(ENTRY_PROPERTY), "reason": props.get(REASON_PROPERTY) or t.get("message", ""),
-                    "why_not_strict": props.get(WHY_NOT_STRICT_PROPERTY)})
-    return out
-
-
 def gate_failures(summary: Mapping[str, Any]) -> list[str]:
     """Why the gate fails (empty: it passes): failing tests, and run-level problems the runs recorded."""
     reasons = [f"{t['outcome']}: {t['nodeid']}" for t in summary["tests"] if t["outcome"] in FAILING_OUTCOMES]
@@ -291,10 +270,6 @@ def _fmt_ids(ids: list[str]) -> str:
     short = [f"`{i.split('::', 1)[-1]}`" for i in ids[:_MAX_IDS_IN_TABLE]]
     more = f" +{len(ids) - _MAX_IDS_IN_TABLE} more" if len(ids) > _MAX_IDS_IN_TABLE else ""
     return ", ".join(short) + more
-
-
-def markdown_cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
 
 
 def rules_under_test(tests: Iterable[Mapping[str, Any]]) -> dict[str, list[str]]:
@@ -363,7 +338,7 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
             f"| {_fmt_ratio(r['worst_bound_ratio'])} | {markdown_cell(_fmt_ids(r['failing']))} |"
         )
     lines += _failures_section(summary)
-    lines += _not_shown_section(not_shown)
+    lines += not_shown_section(not_shown)
     lines += _patterns_section(tests)
     for section in _SECTIONS:
         lines += section(tests)
@@ -405,23 +380,6 @@ def _failures_section(summary: Mapping[str, Any]) -> list[str]:
         if t["repro"]:
             lines += ["", "```bash", t["repro"], "```"]
         lines.append("")
-    return lines
-
-
-def _not_shown_section(not_shown: list[Mapping[str, Any]]) -> list[str]:
-    """The non-strict known failures that did not show this run (:func:`known_failures_not_shown`): not a
-    failure, but a sign the engine may have been fixed, so the entry should go or become strict."""
-    if not not_shown:
-        return []
-    lines = ["", f"## {NOT_SHOWN_TITLE}", "",
-             "These tests are covered by a non-strict `[[xfail]]` expectation entry (`strict = false`) and passed: "
-             "the known failure did not show in this run. Not a failure; the verdict does not count them. "
-             + NOT_SHOWN_HINT, "",
-             "| Case | Entry | Reason | Why not strict |", "| --- | --- | --- | --- |"]
-    for t in not_shown:
-        entry = f"`{markdown_cell(t['entry'])}`" if t["entry"] else "-"
-        lines.append(f"| `{markdown_cell(t['nodeid'])}` | {entry} | {markdown_cell(t['reason'] or '-')} "
-                     f"| {markdown_cell(t['why_not_strict'] or '-')} |")
     return lines
 
 

@@ -79,9 +79,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      "on-demand gaps, branches and teacher-forced paths of every model), e.g. cuda, cuda:1, cpu "
                      "(default: cuda if available, else cpu)")
     g.addoption("--truth-precision", default="fp64", choices=("fp64", "fp32"),
-                help="the workload truth's variance estimates: fp64 (default), or fp32 for dense checkpoints on a "
-                     "GPU (values still fp64; the estimates from an fp32 pass with TF32 GEMMs, several times "
-                     "faster; their measured change is in docs/truth.md)")
+                help="the workload truth's variance estimates: fp64 (default), or, for dense checkpoints, from an "
+                     "fp32 pass (values still fp64; several times faster on a GPU; docs/truth.md 'Precision')")
     g.addoption("--workload", default=None, metavar="NAME|FILE",
                 help="add the workload scenario: 'quick' (the tiny fixtures on CPU), 'standard' (real checkpoints "
                      "on a GPU) or a TOML file of conformance/server/workloads.py's fields; every prompt position "
@@ -250,9 +249,8 @@ def _workload_scenarios(config: pytest.Config) -> tuple[Scenario, ...]:
         workload = load(spec)
     except ValueError as exc:
         raise pytest.UsageError(str(exc)) from exc
-    report = config.getoption("--report-dir")
-    return (workload_scenario(workload, truth_device(config), Path(report) if report else None,
-                              config.getoption("--truth-precision")),)
+    report, precision = config.getoption("--report-dir"), config.getoption("--truth-precision")
+    return (workload_scenario(workload, truth_device(config), Path(report) if report else None, precision),)
 
 
 class ServerPool:

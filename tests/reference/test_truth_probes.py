@@ -86,11 +86,11 @@ def test_probes_are_an_unbiased_chi_square_estimate(family, tp, probes, seeds, m
 def test_a_probe_missing_one_rounding_term_is_caught(monkeypatch):
     """The same statistic against a mutant: probes without the BF16 weight rounding (one term of the model, a
     quarter of the variance on this fixture) are outside the allowed spread."""
-    import reference_impl.truth.probes as probes
+    import reference_impl.truth.probe_draws as draws
 
     monkeypatch.setattr(stores, "WEIGHT_TERM_SIGNED", True)
-    original = probes.error_weights
-    monkeypatch.setattr(probes, "error_weights", lambda *a, **k: (original(*a, **k)[0], None))
+    original = draws.error_weights
+    monkeypatch.setattr(draws, "error_weights", lambda *a, **k: (original(*a, **k)[0], None))
     rows, _ = _mean_ratios("dense-nvfp4", 1, 64, 12)
     assert ((rows - 1).abs() > ALLOWED_SD * math.sqrt(2 / (64 * 12))).any(), rows.tolist()
 

@@ -1,0 +1,164 @@
+"""The per-store random tangents of the probes (:class:`Probe`) and the per-sequence result (:class:`Probed`):
+what :mod:`reference_impl.truth.probes` derives, drawn. ``Probe.perturb`` is the
+:class:`reference_impl.truth.instrument.Recorder`'s hook for every store of a probed pass."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.autograd.forward_ad as fwAD
+
+from reference_impl.truth import instrument
+from reference_impl.truth.stores import TP_SIZES, U_ACCUM, U_BF16, covering_tp, error_weights
+
+#: weight-rounding draws made at once (fp64 elements: 2 GiB): a large model's replicas are drawn in groups
+WEIGHT_DRAW_ELEMENTS = 1 << 28
+
+
+def _every_kth(info, k: int, rows: int):
+    """``info``'s activations laid out like the store (``[rows, tokens, ...]``) taken at replica 0 of each sequence
+    (a weight ``[N, K]`` whose N happens to equal ``rows`` is left alone)."""
+    if isinstance(info, torch.Tensor):
+        return info[::k] if info.dim() >= 3 and info.shape[0] == rows else info  # not a weight matrix
+    if isinstance(info, (tuple, list)):
+        return type(info)(_every_kth(x, k, rows) for x in info)
+    return info
+
+
+class Probe:
+    """Gives each store of a forward over ``replicas`` copies of each of ``sequences`` ``tokens``-token sequences
+    its random tangent (a :class:`reference_impl.truth.instrument.Recorder`'s ``probe``). ``tp``: the
+    tensor-parallel size whose partial-sum roundings are included (1: none). Replica ``k`` of every sequence
+    shares its weight-rounding draws: each sequence's estimates are still exactly as described (a quantity
+    depends on its own sequence only), and the draws, the dearest part of a short sequence, are made once."""
+
+    def __init__(self, replicas: int, tokens: int, tp: int = 1, generator: torch.Generator | None = None,
+                 sequences: int = 1):
+        if tp > 1:
+            covering = covering_tp(tp)
+            if covering is None:
+                raise ValueError(f"probes cover tensor parallelism up to {TP_SIZES[-1]}, got {tp}")
+            tp = covering
+        self.replicas, self.tokens, self.tp = replicas, tokens, tp
+        self.sequences = sequences  # batch rows: sequence s, replica k at s * replicas + k
+        self.generator = generator
+        #: the dtype of the tangents' GEMMs (None: the primal's); see :data:`reference_impl.truth.probe_pass.TANGENT_GEMM`
+        self.gemm_dtype: torch.dtype | None = None
+
+    def _randn(self, shape, like: torch.Tensor) -> torch.Tensor:
+        # float32 normals (3x faster to draw than fp64): their quantization (2^-24 relative) and Box-Muller's
+        # float32 tail (|g| < 5.8) move the variance by < 1e-6 relative, nothing against the chi^2 spread
+        g = torch.randn(shape, dtype=torch.float32, generator=self.generator, device=like.device)
+        return g.to(like.dtype)
+
+    def _draw(self, shape, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Standard normals in ``dtype`` (BF16 draws for BF16 GEMMs: their quantization, 2^-9 relative, moves
+        the variance by < 1e-5)."""
+        if dtype == torch.bfloat16:
+            return torch.randn(shape, dtype=dtype, generator=self.generator, device=like.device)
+        return self._randn(shape, like.to(dtype) if like.dtype != dtype else like)
+
+    def perturb(self, kind: str, value: torch.Tensor, info, n: int, reduced: bool) -> torch.Tensor:
+        primal, upstream = fwAD.unpack_dual(value)
+        primal = primal.detach()
+        k, rows = self.replicas, self.replicas * self.sequences
+        with torch.no_grad():
+            info = instrument.primal(info() if callable(info) else info)
+            # a store laid out [sequence x replica, ...] has the same primal in every replica of a sequence: its
+            # error weights from replica 0 (for a dense linear the accumulation term is a GEMM as large as the
+            # linear); the MoE experts' and router's rows mix sequences, replicas and tokens: all of them
+            batched = k > 1 and primal.dim() >= 3 and primal.shape[0] == rows
+            shared = batched and kind.startswith("linear") and len(info) == 2
+            if batched:
+                one = primal[::k]
+                info = _every_kth(info, k, rows)
+            else:
+                one = primal
+            sq, operands = error_weights(kind, one, info, n, reduced, (self.tp,))
+            var = U_BF16 ** 2 * sq[0]
+            if sq[1] is not None:
+                var = var + U_ACCUM ** 2 * sq[1].reshape(one.shape)
+            if self.tp > 1 and sq[2 + TP_SIZES.index(self.tp)] is not None:
+                var = var + U_BF16 ** 2 * sq[2 + TP_SIZES.index(self.tp)].reshape(one.shape)
+            std = var.sqrt()
+            noise = self._randn(primal.shape, primal)
+            if batched:  # [S, ...] against [S * K, ...]
+                noise = noise.view(one.shape[0], k, *one.shape[1:]).mul_(std[:, None]).view(primal.shape)
+            else:
+                noise.mul_(std)
+            if operands is not None:
+                noise.add_(self._weight_tangent(operands, info, shared).reshape(primal.shape))
+            if upstream is not None:
+                noise.add_(upstream)
+        # make_dual lays the tangent out like the primal: an expanded primal (the rotary tables) needs its own memory
+        return fwAD.make_dual(primal if primal.is_contiguous() else primal.contiguous(), noise)
+
+    def _weight_tangent(self, operands, info, shared: bool) -> torch.Tensor:
+        """The BF16 weight rounding (one variable per weight element per replica, shared by its tokens) and the
+        AWQ input rounding (one per input element). ``shared``: the operands are replica 0's (a dense linear:
+        every replica's input is the same); else rows of every replica, ``info[2]`` their flat positions."""
+        x, w_abs, w_awq = operands  # x signed: the rounded weight's effect on y_tn is x_tk dW_nk
+        k = self.replicas
+        group = max(1, min(k, WEIGHT_DRAW_ELEMENTS // w_abs.numel()))  # replicas whose weight draws are made at once
+        if shared:  # x: [S * T, K_in], replica 0 of each sequence
+            x3 = x.reshape(self.sequences, self.tokens, -1)
+            low = self.gemm_dtype or x.dtype
+            xl, sigma = x3.to(low), (U_BF16 * w_abs).to(low)
+            out = torch.cat([torch.einsum("stc,knc->sktn", xl, self._draw((min(group, k - lo), *w_abs.shape), w_abs, low)
+                                          .mul_(sigma)).to(x.dtype) for lo in range(0, k, group)], dim=1)  # [S, K, T, N]
+            if w_awq is not None:  # the AWQ input x * pre_quant_scale rounded: one variable per element
+                out = out + (U_BF16 * x3.abs()[:, None] * self._randn((self.sequences, k, *x3.shape[1:]), x3)) @ w_awq.T
+            return out
+        rows = info[2] if len(info) > 2 else torch.arange(x.shape[0], device=x.device)
+        batch = torch.div(rows, self.tokens, rounding_mode="floor")  # sequence * K + replica
+        seq, replica = torch.div(batch, k, rounding_mode="floor"), batch % k
+        out = x.new_zeros(x.shape[0], w_abs.shape[0])
+        for lo in range(0, k, group):
+            hi = min(k, lo + group)
+            stacked = self._randn((hi - lo, *w_abs.shape), w_abs).mul_(U_BF16 * w_abs).transpose(1, 2)  # [g, K_in, N]
+            for s_ in seq.unique().tolist():
+                sel = ((seq == s_) & (replica >= lo) & (replica < hi)).nonzero()[:, 0]
+                order = sel[torch.argsort(replica[sel], stable=True)]
+                n = len(order) // (hi - lo)
+                expected = torch.arange(lo, hi, device=x.device)[:, None]
+                if n and n * (hi - lo) == len(order) and bool((replica[order].view(hi - lo, n) == expected).all()):
+                    # every replica routes the same tokens here (their primal is the same): one batched product
+                    out[order] = torch.bmm(x[order].view(hi - lo, n, -1), stacked).reshape((hi - lo) * n, -1)
+                else:
+                    for r in range(lo, hi):
+                        part = sel[replica[sel] == r]
+                        if len(part):
+                            out[part] = x[part] @ stacked[r - lo]
+        if w_awq is not None:
+            out = out + (U_BF16 * x.abs() * self._randn(x.shape, x)) @ w_awq.T
+        return out
+
+
+@dataclass
+class Probed:
+    """One sequence probed against its targets (row ``r``: ``targets[r]``, the token that follows it): per row the
+    reference's logprob of the target, its best token, the logit gap ``logit(best) - logit(target)`` (0 where they
+    are the same), the variance estimates ``V_hat`` of the logprob and the gap, and every routing decision
+    ``(decision, gaps [T], V_hat [T])``."""
+
+    logprob: torch.Tensor
+    logprob_var: torch.Tensor
+    best: torch.Tensor
+    gap: torch.Tensor
+    gap_var: torch.Tensor
+    probes: int
+    routes: list = field(default_factory=list)
+
+
+def _joined(parts: list[Probed]) -> Probed:
+    """One sequence's probes from passes over groups of its replicas (the same primal in each): the variance
+    estimates are means of squares, so the groups' are averaged by their sizes."""
+    k = sum(p.probes for p in parts)
+
+    def mean(values):
+        return sum(v * p.probes for v, p in zip(values, parts)) / k
+    first = parts[0]
+    routes = [(d, gaps, mean([p.routes[n][2] for p in parts])) for n, (d, gaps, _) in enumerate(first.routes)]
+    return Probed(first.logprob, mean([p.logprob_var for p in parts]), first.best, first.gap,
+                  mean([p.gap_var for p in parts]), k, routes)
+

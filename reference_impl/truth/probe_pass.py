@@ -1,0 +1,198 @@
+"""One probed pass (:func:`run_pass`) through the truth's layers, in fp64 or fp32 (:data:`TANGENT_GEMM`), with
+the linears' primal computed once per sequence (:func:`share_primal`), the fp64 values an fp32 pass replaces
+(:func:`values_fp64`) and the layers kept between passes (:func:`keeping_layers`); the LM head linearised by
+hand. :func:`reference_impl.truth.probes.probe_sequences` drives it."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.autograd.forward_ad as fwAD
+
+from reference_impl.truth.instrument import Recorder, RouteDecision, recording
+from reference_impl.truth.probe_draws import Probe, Probed
+
+#: the fp32 passes' tangent GEMMs (the linears', the weight draws', the LM head's): BF16 inputs with fp32
+#: accumulation (docs/truth.md: what that changes, measured against fp64 from the same draws); None: fp32/TF32
+TANGENT_GEMM: torch.dtype | None = torch.bfloat16
+#: elements of one LM-head chunk's logits over the replicas (fp64: 1 GiB): a 128k vocabulary takes a few rows
+HEAD_ELEMENTS = 1 << 27
+
+
+def run_pass(truth, seqs: list[list[int]], targets: list[list[int]], probes: int, tp: int, seed: int,
+                dtype: torch.dtype = torch.float64, values: list[tuple] | None = None) -> list[Probed]:
+    """One probed pass over ``seqs`` (all of one length), ``probes`` replicas each, in ``dtype``. ``values``: each
+    sequence's ``(logprob, best, gap)`` from an fp64 forward (:func:`values_fp64`), replacing the pass's own (an
+    fp32 pass gives the variance estimates only)."""
+    gen = torch.Generator(device=truth.device).manual_seed(seed)
+    n, t = len(seqs), len(seqs[0])
+    probe = Probe(probes, t, tp, gen, sequences=n)
+    if dtype != torch.float64:
+        probe.gemm_dtype = TANGENT_GEMM
+    routes: list[RouteDecision] = []
+    with fwAD.dual_level(), torch.no_grad():
+        x = torch.cat([truth.embed(ids).to(dtype).expand(probes, t, -1) for ids in seqs]).contiguous()
+        x = fwAD.make_dual(x, torch.zeros_like(x))
+        pe = truth._positions(x)
+        for i in range(truth.cfg.num_layers):
+            with _layer(truth, i, dtype) as layer:
+                share_primal(layer, probe)
+                rec = Recorder(truth.cfg, False, {}, i, probe=probe)
+                with recording(rec):
+                    x = truth._run(layer, x, pe)
+                routes += rec.routes
+        with recording(Recorder(truth.cfg, False, probe=probe)):
+            h = truth.final_norm(x).to(dtype)
+        del x
+        w = truth.lm_head().to(dtype)
+        out = [_head(truth, h[s * probes:(s + 1) * probes], w, targets[s], tp, gen,
+                     None if values is None else values[s], probe.gemm_dtype) for s in range(n)]
+        for d in routes:
+            gp, gt = fwAD.unpack_dual(d.gaps)
+            gt = gt if gt is not None else torch.zeros_like(gp)
+            gp, gt = gp.reshape(n, probes, t), gt.reshape(n, probes, t)
+            for s in range(n):
+                out[s].routes.append((d, gp[s, 0].cpu(), gt[s].pow(2).mean(0).cpu()))
+    return out
+
+
+@contextlib.contextmanager
+def keeping_layers(truth, dtype: torch.dtype = torch.float32, budget_bytes: int | None = None):
+    """Probed passes in ``dtype`` inside this context reuse each decoder layer built once (its weights decoded
+    and cast once, not at every pass) while their parameters fit ``budget_bytes`` (default: a quarter of the
+    truth device's memory, 2 GiB on a CPU); freed on exit. A workload's truth makes hundreds of passes."""
+    if budget_bytes is None:
+        budget_bytes = (torch.cuda.get_device_properties(truth.device).total_memory // 4
+                        if truth.device.type == "cuda" else 2 << 30)
+    truth._probe_layers = {"dtype": dtype, "budget": budget_bytes, "bytes": 0, "layers": {}}
+    try:
+        yield
+    finally:
+        truth._probe_layers = None
+
+
+@contextlib.contextmanager
+def _layer(truth, i: int, dtype: torch.dtype):
+    """Decoder layer ``i`` in ``dtype``: kept by :func:`keeping_layers` if one is open for ``dtype``."""
+    keep = getattr(truth, "_probe_layers", None)
+    if keep is not None and keep["dtype"] == dtype and i in keep["layers"]:
+        yield keep["layers"][i]
+        return
+    with truth.layer(i) as layer:
+        if dtype != torch.float64:  # (DeepSeek's router stays fp32 in fp64 mode, as transformers has it)
+            layer.to(dtype)
+        if keep is not None and keep["dtype"] == dtype:
+            size = sum(p.numel() * p.element_size() for p in layer.parameters())
+            if keep["bytes"] + size <= keep["budget"]:
+                keep["layers"][i] = layer
+                keep["bytes"] += size
+        yield layer
+
+
+def share_primal(layer: torch.nn.Module, probe: Probe) -> None:
+    """Every ``nn.Linear`` of ``layer`` computes its output's primal once per sequence (replica 0's rows, copied
+    to the others: the replicas' primal is one) and only the tangent per replica: the replicated primal GEMM
+    was a third of a probed pass's arithmetic. The result is what ``F.linear`` of the dual gives."""
+    for mod in layer.modules():
+        if isinstance(mod, torch.nn.Linear):
+            mod.forward = _SharedPrimalLinear(mod, probe)
+
+
+class _SharedPrimalLinear:
+    # holds the module's tensors, not the module: a module -> forward -> module cycle would keep every layer's
+    # weights alive until Python's cyclic collector happened to run (out of GPU memory within minutes)
+    def __init__(self, mod: torch.nn.Linear, probe: Probe):
+        self.weight, self.bias, self.probe = mod.weight, mod.bias, probe
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = self.weight, self.bias
+        p, tangent = fwAD.unpack_dual(x)
+        k, rows = self.probe.replicas, self.probe.replicas * self.probe.sequences
+        if tangent is None or k == 1 or p.dim() < 3 or p.shape[0] != rows:
+            return torch.nn.functional.linear(x, w, b)
+        one = torch.nn.functional.linear(p[::k], w, b)  # [S, T, N]
+        primal_out = one.repeat_interleave(k, dim=0)  # sequence s, replica r at s * k + r
+        return fwAD.make_dual(primal_out, _tangent_gemm(tangent, w, self.probe.gemm_dtype))
+
+
+def _tangent_gemm(tangent: torch.Tensor, w: torch.Tensor, low: torch.dtype | None) -> torch.Tensor:
+    """``tangent @ w.T`` in the tangent's dtype, or in ``low`` (fp32 accumulation) and back."""
+    if low is None or low == tangent.dtype:
+        return torch.nn.functional.linear(tangent, w)
+    return torch.nn.functional.linear(tangent.to(low), w.to(low)).to(tangent.dtype)
+
+
+def values_fp64(truth, seqs: list[list[int]], targets: list[list[int]]) -> list[tuple]:
+    """``(logprob, best, gap)`` per row of each sequence (all of one length) from the fp64 forward (values only:
+    no probes), for an fp32 probed pass."""
+    with torch.no_grad():
+        x = torch.cat([truth.embed(ids) for ids in seqs])
+        pe = truth._positions(x)
+        for i in range(truth.cfg.num_layers):
+            with truth.layer(i) as layer, recording(Recorder(truth.cfg, False, {}, i)):
+                x = truth._run(layer, x, pe)
+        h = truth.final_norm(x)
+        w = truth.lm_head()
+        out = []
+        for s, tg in enumerate(targets):
+            tg = torch.tensor(tg, device=w.device)
+            rows = max(1, HEAD_ELEMENTS // w.shape[0])
+            parts = []
+            for lo in range(0, h.shape[1], rows):
+                logits = h[s, lo:lo + rows] @ w.T
+                c = tg[lo:lo + rows, None]
+                best = logits.argmax(-1)
+                parts.append((logits.gather(1, c)[:, 0] - torch.logsumexp(logits, -1), best,
+                              logits.gather(1, best[:, None])[:, 0] - logits.gather(1, c)[:, 0]))
+            out.append(tuple(torch.cat([p[i] for p in parts]) for i in range(3)))
+    return out
+
+
+@contextlib.contextmanager
+def fast_fp32(device: torch.device):
+    """fp32 GEMMs in TF32 on CUDA (the fp32 probes' arithmetic; docs/truth.md gives the estimates' measured
+    change); restored after."""
+    if device.type != "cuda":
+        yield
+        return
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def _head(truth, h: torch.Tensor, w: torch.Tensor, targets: list[int], tp: int, gen, values=None,
+          gemm_dtype: torch.dtype | None = None) -> Probed:
+    """The LM head (a BF16 ``dot`` store) of one sequence's replicas ``h [K, T, H]`` (dual), in chunks of rows,
+    reduced at once to the per-row statistics against ``targets``. ``values``: the rows' ``(logprob, best, gap)``
+    from the fp64 forward (the gap's estimate is then taken for that best token)."""
+    k, t, width = h.shape
+    rows = max(1, HEAD_ELEMENTS // (k * w.shape[0]))
+    tg = torch.tensor(targets, device=w.device)
+    parts = []
+    h_primal, h_tangent = fwAD.unpack_dual(h)
+    for lo in range(0, t, rows):
+        hp, ht = h_primal[:1, lo:lo + rows], h_tangent[:, lo:lo + rows]
+        c = hp.shape[1]
+        p0 = (hp @ w.T)[0]                                  # the replicas' primal is one: computed once
+        # the linearised head by hand (the tangent through the product, then the store's own draws)
+        store = Probe(k, c, tp, gen).perturb("dot", p0.expand(k, c, -1), lambda: hp.abs() @ w.abs().T, width, False)
+        z = fwAD.unpack_dual(store).tangent + _tangent_gemm(ht, w, gemm_dtype)
+        tc = tg[lo:lo + c]
+        dz = z.gather(2, tc.expand(k, -1)[..., None])[..., 0] - (z * torch.softmax(p0, -1)).sum(-1)
+        if values is None:
+            lp = p0.gather(1, tc[:, None])[:, 0] - torch.logsumexp(p0, -1)
+            best = p0.argmax(-1)
+            gap = p0.gather(1, best[:, None])[:, 0] - p0.gather(1, tc[:, None])[:, 0]
+        else:
+            lp, best, gap = (v[lo:lo + c] for v in values)
+        dg = z.gather(2, best.expand(k, -1)[..., None])[..., 0] - z.gather(2, tc.expand(k, -1)[..., None])[..., 0]
+        parts.append((lp, dz.pow(2).mean(0), best, gap, dg.pow(2).mean(0)))
+        del store, z
+    cat = [torch.cat([p[i] for p in parts]).cpu() for i in range(5)]
+    if values is not None:  # the estimates in fp64 beside fp64 values
+        cat = [c.double() if c.is_floating_point() else c for c in cat]
+    return Probed(cat[0], cat[1], cat[2], cat[3], cat[4], k)
+
