@@ -9,6 +9,22 @@ from typing import Any
 from conformance._framework.expectations import ENTRY_PROPERTY, REASON_PROPERTY, WHY_NOT_STRICT_PROPERTY
 
 
+_MAX_IDS_IN_TABLE = 4
+
+
+def fmt_ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3g}"
+
+
+def fmt_ids(ids: list[str]) -> str:
+    """Test ids, short (their part after the file), the first few and how many more."""
+    if not ids:
+        return ""
+    short = [f"`{i.split('::', 1)[-1]}`" for i in ids[:_MAX_IDS_IN_TABLE]]
+    more = f" +{len(ids) - _MAX_IDS_IN_TABLE} more" if len(ids) > _MAX_IDS_IN_TABLE else ""
+    return ", ".join(short) + more
+
+
 def markdown_cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 

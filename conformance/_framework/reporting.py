@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from conformance._framework.report_text import (NOT_SHOWN_HINT, NOT_SHOWN_KEY, NOT_SHOWN_TITLE,  # noqa: F401 (re-exported)
-                                                known_failures_not_shown, markdown_cell, not_shown_section)
+                                                fmt_ids, fmt_ratio, known_failures_not_shown, markdown_cell,
+                                                not_shown_section)
 from conformance._framework.tiers import TIERS
 
 # ------------------------------------------------------------------------------------- areas
@@ -256,20 +257,7 @@ def merge_summaries(summaries: list[Mapping[str, Any]], skipped_tiers: Mapping[s
 
 
 # ------------------------------------------------------------------------------- markdown
-_MAX_IDS_IN_TABLE = 4
 _MAX_MESSAGE = 300
-
-
-def _fmt_ratio(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3g}"
-
-
-def _fmt_ids(ids: list[str]) -> str:
-    if not ids:
-        return ""
-    short = [f"`{i.split('::', 1)[-1]}`" for i in ids[:_MAX_IDS_IN_TABLE]]
-    more = f" +{len(ids) - _MAX_IDS_IN_TABLE} more" if len(ids) > _MAX_IDS_IN_TABLE else ""
-    return ", ".join(short) + more
 
 
 def rules_under_test(tests: Iterable[Mapping[str, Any]]) -> dict[str, list[str]]:
@@ -335,13 +323,20 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
     for r in table_rows(tests):
         lines.append(
             f"| {r['area']} | {r['backend']} | {r['pass']} | {r['fail']} | {r['xfail']} | {r['skip']} "
-            f"| {_fmt_ratio(r['worst_bound_ratio'])} | {markdown_cell(_fmt_ids(r['failing']))} |"
+            f"| {fmt_ratio(r['worst_bound_ratio'])} | {markdown_cell(fmt_ids(r['failing']))} |"
         )
     lines += _failures_section(summary)
     lines += not_shown_section(not_shown)
     lines += _patterns_section(tests)
     for section in _SECTIONS:
         lines += section(tests)
+    lines += _expected_and_skipped_sections(tests)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _expected_and_skipped_sections(tests: list[Mapping[str, Any]]) -> list[str]:
+    """The expected failures with their reasons, then the skips counted by reason."""
+    lines: list[str] = []
     xfailed = [t for t in tests if t["outcome"] == "xfailed"]
     if xfailed:
         lines += ["", "## Expected failures", "", "| Case | Reason |", "| --- | --- |"]
@@ -353,7 +348,7 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
     if skipped:
         lines += ["", "## Skipped, by reason", "", "| Reason | Tests |", "| --- | ---: |"]
         lines += [f"| {markdown_cell(reason)} | {n} |" for reason, n in sorted(skipped.items(), key=lambda kv: -kv[1])]
-    return "\n".join(lines).rstrip() + "\n"
+    return lines
 
 
 def _failures_section(summary: Mapping[str, Any]) -> list[str]:
@@ -372,7 +367,7 @@ def _failures_section(summary: Mapping[str, Any]) -> list[str]:
             lines.append(f"- message: {markdown_cell(t['message'][:_MAX_MESSAGE])}")
         ratio = bound_ratio_of(t)
         if ratio is not None:
-            lines.append(f"- bound ratio: {_fmt_ratio(ratio)}")
+            lines.append(f"- bound ratio: {fmt_ratio(ratio)}")
         if t.get("properties", {}).get("diagnosis"):
             lines.append(f"- likely cause: {markdown_cell(str(t['properties']['diagnosis']))}")
         for path in t["artifacts"]:

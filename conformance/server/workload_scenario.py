@@ -46,10 +46,7 @@ def run_workload(ctx, workload: Workload, device: str | None, report_dir=None, p
     truth = ctx.model.truth_model
     exact = {"a": exact_model(truth.a, device), "b": exact_model(truth.b, device)}
     vocab_size = exact["a"].cfg.vocab_size
-    workload.check(max_positions=exact["a"].cfg.max_position_embeddings)
-    if precision != "fp64" and exact["a"].cfg.top_k:
-        pytest.fail(f"{ctx.name}: --truth-precision {precision} is for dense checkpoints; {ctx.model.name} routes "
-                    f"(an fp32 pass may route a near-tie otherwise than the fp64 values): use fp64", pytrace=False)
+    _check(ctx, workload, exact["a"].cfg, precision)
     coverage = Coverage(workload.name)
     judge = WorkloadJudge(exact, coverage, ctx.tp, workload.probes, precision)
     pool = workload.prompts(vocab_size, workload.short_length, workload.pool_size, "pool")
@@ -99,6 +96,17 @@ def run_workload(ctx, workload: Workload, device: str | None, report_dir=None, p
     if missing:
         raise AssertionError(f"{ctx.name}: workload {workload.name!r}: planned cells judged nothing: {missing}")
     return coverage
+
+
+def _check(ctx, workload: Workload, cfg, precision: str) -> None:
+    """The workload fits the model; ``--truth-precision fp32`` only for a dense one (else a failure with the
+    reason, before any request)."""
+    import pytest
+
+    workload.check(max_positions=cfg.max_position_embeddings)
+    if precision != "fp64" and cfg.top_k:
+        pytest.fail(f"{ctx.name}: --truth-precision {precision} is for dense checkpoints; {ctx.model.name} routes "
+                    f"(an fp32 pass may route a near-tie otherwise than the fp64 values): use fp64", pytrace=False)
 
 
 def _repeated(workload: Workload, pool, send, coverage: Coverage) -> None:
