@@ -155,6 +155,31 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def run_workload(a: argparse.Namespace, device: str) -> None:
+    """``--workload``: the truth of a workload's judged sequences against its floor (benchmarks/truth_workload.py),
+    after the fp32 estimates' change against fp64 with ``--compare-precision``."""
+    from benchmarks import truth_workload
+    from fixtures.make_checkpoints import ensure_checkpoints
+
+    path = a.checkpoint or str(ensure_checkpoints() / "dense-nvfp4_awq-a")
+    if a.max_rows:
+        import reference_impl.truth.probes as probes
+
+        probes.MAX_ROWS = a.max_rows
+    if a.compare_precision:
+        change = truth_workload.precision_change(path, a.workload, device)
+        print(json.dumps(change), flush=True)
+        for mode in ("bf16", "tf32"):
+            c = change[mode]
+            print(f"fp32 probes, tangent GEMMs in {mode}, against fp64 from the same draws ({c['rows']} rows): "
+                  f"|V32/V64 - 1| max {c['max_abs']:.2e}, mean {c['mean_abs']:.2e}, signed mean {c['mean']:+.2e}; "
+                  f"values differ by at most {c['value_diff']:.1e}", flush=True)
+    row = truth_workload.run(path, a.workload, device, a.budget_s, chunk=a.chunk, precision=a.precision)
+    print(json.dumps(row))
+    print(f"\ntruth device {device}; {path}")
+    print(truth_workload.table(row))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", type=Path, default=Path("/tmp/nvfp4-truth-models"), help="where checkpoints are written")
@@ -185,26 +210,7 @@ def main() -> None:
         print(json.dumps(measure(a.child, device, a.vocab)))
         return
     if a.workload:
-        from benchmarks import truth_workload
-        from fixtures.make_checkpoints import ensure_checkpoints
-
-        path = a.checkpoint or str(ensure_checkpoints() / "dense-nvfp4_awq-a")
-        if a.max_rows:
-            import reference_impl.truth.probes as probes
-
-            probes.MAX_ROWS = a.max_rows
-        if a.compare_precision:
-            change = truth_workload.precision_change(path, a.workload, device)
-            print(json.dumps(change), flush=True)
-            for mode in ("bf16", "tf32"):
-                c = change[mode]
-                print(f"fp32 probes, tangent GEMMs in {mode}, against fp64 from the same draws ({c['rows']} rows): "
-                      f"|V32/V64 - 1| max {c['max_abs']:.2e}, mean {c['mean_abs']:.2e}, signed mean {c['mean']:+.2e}; "
-                      f"values differ by at most {c['value_diff']:.1e}", flush=True)
-        row = truth_workload.run(path, a.workload, device, a.budget_s, chunk=a.chunk, precision=a.precision)
-        print(json.dumps(row))
-        print(f"\ntruth device {device}; {path}")
-        print(truth_workload.table(row))
+        run_workload(a, device)
         return
 
     def log(row):
