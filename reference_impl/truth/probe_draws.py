@@ -148,17 +148,3 @@ class Probed:
     gap_var: torch.Tensor
     probes: int
     routes: list = field(default_factory=list)
-
-
-def _joined(parts: list[Probed]) -> Probed:
-    """One sequence's probes from passes over groups of its replicas (the same primal in each): the variance
-    estimates are means of squares, so the groups' are averaged by their sizes."""
-    k = sum(p.probes for p in parts)
-
-    def mean(values):
-        return sum(v * p.probes for v, p in zip(values, parts)) / k
-    first = parts[0]
-    routes = [(d, gaps, mean([p.routes[n][2] for p in parts])) for n, (d, gaps, _) in enumerate(first.routes)]
-    return Probed(first.logprob, mean([p.logprob_var for p in parts]), first.best, first.gap,
-                  mean([p.gap_var for p in parts]), k, routes)
-

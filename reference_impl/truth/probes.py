@@ -60,7 +60,6 @@ def probe_lambda(probes: int, base_lambda: float) -> float:
     return math.sqrt(probes * math.expm1(base_lambda ** 2 / probes))
 
 
-
 def _joined(parts: list[Probed]) -> Probed:
     """One sequence's probes from passes over groups of its replicas (the same primal in each): the variance
     estimates are means of squares, so the groups' are averaged by their sizes."""
