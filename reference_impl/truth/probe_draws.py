@@ -87,28 +87,39 @@ class Probe:
             else:
                 noise.mul_(std)
             if operands is not None:
-                noise.add_(self._weight_tangent(operands, info, shared).reshape(primal.shape))
+                self._add_weight_tangent(noise, operands, info, shared)
             if upstream is not None:
                 noise.add_(upstream)
         # make_dual lays the tangent out like the primal: an expanded primal (the rotary tables) needs its own memory
         return fwAD.make_dual(primal if primal.is_contiguous() else primal.contiguous(), noise)
 
-    def _weight_tangent(self, operands, info, shared: bool) -> torch.Tensor:
-        """The BF16 weight rounding (one variable per weight element per replica, shared by its tokens) and the
-        AWQ input rounding (one per input element). ``shared``: the operands are replica 0's (a dense linear:
-        every replica's input is the same); else rows of every replica, ``info[2]`` their flat positions."""
+    def _add_weight_tangent(self, noise: torch.Tensor, operands, info, shared: bool) -> None:
+        """``noise += `` the weight terms (:meth:`_weight_tangent`); a dense linear's group by group, in place (no
+        copy of the ``[S, K, T, N]`` product beyond the GEMM's own)."""
+        if not shared:
+            noise.add_(self._weight_tangent(operands, info, shared).reshape(noise.shape))
+            return
         x, w_abs, w_awq = operands  # x signed: the rounded weight's effect on y_tn is x_tk dW_nk
         k = self.replicas
         group = max(1, min(k, WEIGHT_DRAW_ELEMENTS // w_abs.numel()))  # replicas whose weight draws are made at once
-        if shared:  # x: [S * T, K_in], replica 0 of each sequence
-            x3 = x.reshape(self.sequences, self.tokens, -1)
-            low = self.gemm_dtype or x.dtype
-            xl, sigma = x3.to(low), (U_BF16 * w_abs).to(low)
-            out = torch.cat([torch.einsum("stc,knc->sktn", xl, self._draw((min(group, k - lo), *w_abs.shape), w_abs, low)
-                                          .mul_(sigma)).to(x.dtype) for lo in range(0, k, group)], dim=1)  # [S, K, T, N]
-            if w_awq is not None:  # the AWQ input x * pre_quant_scale rounded: one variable per element
-                out = out + (U_BF16 * x3.abs()[:, None] * self._randn((self.sequences, k, *x3.shape[1:]), x3)) @ w_awq.T
-            return out
+        x3 = x.reshape(self.sequences, self.tokens, -1)  # replica 0 of each sequence: [S, T, K_in]
+        low = self.gemm_dtype or x.dtype
+        xl, sigma = x3.to(low), (U_BF16 * w_abs).to(low)
+        by_replica = noise.view(self.sequences, k, self.tokens, -1)  # [S, K, T, N]
+        for lo in range(0, k, group):
+            draws = self._draw((min(group, k - lo), *w_abs.shape), w_abs, low).mul_(sigma)
+            by_replica[:, lo:lo + draws.shape[0]] += torch.einsum("stc,knc->sktn", xl, draws)
+        if w_awq is not None:  # the AWQ input x * pre_quant_scale rounded: one variable per element
+            by_replica += (U_BF16 * x3.abs()[:, None] * self._randn((self.sequences, k, *x3.shape[1:]), x3)) @ w_awq.T
+
+    def _weight_tangent(self, operands, info, shared: bool) -> torch.Tensor:
+        """The BF16 weight rounding (one variable per weight element per replica, shared by its tokens) and the
+        AWQ input rounding (one per input element), for rows of every replica (an MoE expert's: ``info[2]``
+        their flat positions); a dense linear's (``shared``: replica 0's operands) are added in place by
+        :meth:`_add_weight_tangent`."""
+        x, w_abs, w_awq = operands  # x signed: the rounded weight's effect on y_tn is x_tk dW_nk
+        k = self.replicas
+        group = max(1, min(k, WEIGHT_DRAW_ELEMENTS // w_abs.numel()))  # replicas whose weight draws are made at once
         rows = info[2] if len(info) > 2 else torch.arange(x.shape[0], device=x.device)
         batch = torch.div(rows, self.tokens, rounding_mode="floor")  # sequence * K + replica
         seq, replica = torch.div(batch, k, rounding_mode="floor"), batch % k

@@ -57,13 +57,13 @@ def test_fp32_estimates_match_fp64_from_the_same_draws(dense):
 
 
 def test_an_fp32_pass_missing_the_weight_term_is_caught(dense, monkeypatch):
-    real = probes.Probe._weight_tangent
+    real = probes.Probe._add_weight_tangent
 
-    def fp32_without_weight_term(self, operands, info, shared):
-        out = real(self, operands, info, shared)
-        return out if out.dtype == torch.float64 else torch.zeros_like(out)
+    def fp32_without_weight_term(self, noise, operands, info, shared):
+        if noise.dtype == torch.float64:
+            real(self, noise, operands, info, shared)
 
-    monkeypatch.setattr(probes.Probe, "_weight_tangent", fp32_without_weight_term)
+    monkeypatch.setattr(probes.Probe, "_add_weight_tangent", fp32_without_weight_term)
     assert _largest_change(dense) > MAX_CHANGE
 
 
