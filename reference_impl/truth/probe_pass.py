@@ -20,7 +20,7 @@ HEAD_ELEMENTS = 1 << 27
 
 
 def run_pass(truth, seqs: list[list[int]], targets: list[list[int]], probes: int, tp: int, seed: int,
-                dtype: torch.dtype = torch.float64, values: list[tuple] | None = None) -> list[Probed]:
+             dtype: torch.dtype = torch.float64, values: list[tuple] | None = None) -> list[Probed]:
     """One probed pass over ``seqs`` (all of one length), ``probes`` replicas each, in ``dtype``. ``values``: each
     sequence's ``(logprob, best, gap)`` from an fp64 forward (:func:`values_fp64`), replacing the pass's own (an
     fp32 pass gives the variance estimates only)."""
