@@ -12,6 +12,7 @@ weights), and ``a`` again.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -40,13 +41,35 @@ def run_workload(ctx, workload: Workload, device: str | None, report_dir=None, p
     """Send ``workload`` through ``ctx.client`` and judge it; raises AssertionError naming the failing buckets.
     A dialect that cannot send token ids or return prompt logprobs skips (pytest.skip) with its reason.
     ``precision``: the truth's probed passes (``--truth-precision``; reference_impl/truth/probes.py)."""
+    truth = ctx.model.truth_model
+    exact = {"a": exact_model(truth.a, device), "b": exact_model(truth.b, device)}
+    _check(ctx, workload, exact["a"].cfg, precision)
+    with _kept_layers(exact, precision):
+        return _run(ctx, workload, exact, report_dir, precision)
+
+
+def _kept_layers(exact: dict, precision: str) -> contextlib.ExitStack:
+    """fp32 probes keep each weight set's cast layers between passes, within an eighth of the truth device's memory
+    (a GPU the engine under test may share); fp64 keeps none."""
+    import torch
+
+    from reference_impl.truth.probes import keeping_layers
+
+    stack = contextlib.ExitStack()
+    if precision != "fp64":
+        for model in {id(m): m for m in exact.values()}.values():
+            device = model.truth.device
+            budget = (torch.cuda.get_device_properties(device).total_memory // 8 if device.type == "cuda"
+                      else 1 << 30)
+            stack.enter_context(keeping_layers(model.truth, budget_bytes=budget))
+    return stack
+
+
+def _run(ctx, workload: Workload, exact: dict, report_dir, precision: str) -> Coverage:
     import pytest
 
     client, spec = ctx.client, SamplingSpec(workload.continuation, 0.0, ignore_eos=True)
-    truth = ctx.model.truth_model
-    exact = {"a": exact_model(truth.a, device), "b": exact_model(truth.b, device)}
     vocab_size = exact["a"].cfg.vocab_size
-    _check(ctx, workload, exact["a"].cfg, precision)
     coverage = Coverage(workload.name)
     judge = WorkloadJudge(exact, coverage, ctx.tp, workload.probes, precision)
     pool = workload.prompts(vocab_size, workload.short_length, workload.pool_size, "pool")

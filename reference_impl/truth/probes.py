@@ -24,9 +24,9 @@ accumulation ``2^-23``, the TPn partial sums) are one Gaussian per element with 
 the quantity under the exact bound's square root. The estimate is unbiased (``E[V_hat] = V``);
 tests/reference/test_truth_probes.py checks ``K V_hat / V`` against ``chi^2_K`` with the exact ``V`` of the fixtures.
 
-**Cost.** One forward of ``K`` replicas with tangents (about three forwards' arithmetic each: primal, tangent,
-the weight term), independent of how many outputs are judged: every position's logprob, every gap, every
-routing decision of the sequence.
+**Cost.** One forward of ``K`` replicas with tangents (each linear's primal once per sequence; per replica its
+tangent and the weight term's product, two GEMMs as large as the forward's), independent of how many outputs are
+judged: every position's logprob, every gap, every routing decision of the sequence.
 """
 from __future__ import annotations
 

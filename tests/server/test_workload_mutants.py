@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from conformance.server.dialects import make_dialect
 from conformance.server.launcher import ServerProcess
@@ -130,3 +131,18 @@ def test_coverage_map_and_failure_message(tmp_path):
     assert "decode M 1, prefill of 9 tokens, position 9: logprob" in msg and "5.0x" in msg
     written = cov.write(tmp_path, "coverage-t")
     assert [p.suffix for p in written][:2] == [".json", ".md"]
+
+
+def test_fp32_truth_keeps_each_weight_sets_layers_within_its_budget(catalog):
+    """--truth-precision fp32 keeps each weight set's cast layers between the scenario's passes (a bounded share of
+    the truth device's memory, released after); fp64 keeps none."""
+    from conformance.server.workload_scenario import _kept_layers, exact_model
+
+    model = catalog.served("dense-nvfp4_awq")
+    exact = {s: exact_model(getattr(model.truth_model, s), "cpu") for s in ("a", "b")}
+    with _kept_layers(exact, "fp64"):
+        assert all(getattr(m.truth, "_probe_layers", None) is None for m in exact.values())
+    with _kept_layers(exact, "fp32"):
+        kept = [m.truth._probe_layers for m in exact.values()]
+        assert all(k is not None and k["dtype"] == torch.float32 and k["budget"] == 1 << 30 for k in kept)
+    assert all(m.truth._probe_layers is None for m in exact.values())
