@@ -42,7 +42,7 @@ def measure(checkpoint: str, device: str, shapes: list[tuple[int, int]], probes:
                                "fp32-tf32": ("fp32", None)}[mode]
             pass_.TANGENT_GEMM = gemm
             times = []
-            with P.keeping_layers(model.truth, torch.float64 if precision == "fp64" else torch.float32):
+            with P.keeping_layers(model.truth, dtype=torch.float64 if precision == "fp64" else torch.float32):
                 for _ in range(2):  # the first builds (and keeps) the layers
                     _sync(device)
                     t0 = time.perf_counter()

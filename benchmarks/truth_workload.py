@@ -104,10 +104,9 @@ def run(path: str, workload_name: str, device: str, budget_s: float, b_path: str
 
     from reference_impl.truth.probes import keeping_layers
 
-    with contextlib.ExitStack() as keep:
-        if precision != "fp64":  # each weight set's layers decoded and cast once (the fp32 copies fit a GPU)
-            for m in {id(m): m for m in models.values()}.values():
-                keep.enter_context(keeping_layers(m.truth))
+    # fp32: each weight set's layers decoded and cast once (the fp32 copies fit a GPU)
+    keep = keeping_layers(*(m.truth for m in models.values())) if precision != "fp64" else contextlib.nullcontext()
+    with keep:
         for (ws, n), group in sorted(groups.items(), key=lambda kv: kv[0][1]):
             for lo in range(0, len(group), chunk):
                 if time.perf_counter() - t0 > budget_s:

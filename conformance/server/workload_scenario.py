@@ -48,21 +48,14 @@ def run_workload(ctx, workload: Workload, device: str | None, report_dir=None, p
         return _run(ctx, workload, exact, report_dir, precision)
 
 
-def _kept_layers(exact: dict, precision: str) -> contextlib.ExitStack:
+def _kept_layers(exact: dict, precision: str):
     """fp32 probes keep each weight set's cast layers between passes, within an eighth of the truth device's memory
     (a GPU the engine under test may share); fp64 keeps none."""
-    import torch
-
     from reference_impl.truth.probes import keeping_layers
 
-    stack = contextlib.ExitStack()
-    if precision != "fp64":
-        for model in {id(m): m for m in exact.values()}.values():
-            device = model.truth.device
-            budget = (torch.cuda.get_device_properties(device).total_memory // 8 if device.type == "cuda"
-                      else 1 << 30)
-            stack.enter_context(keeping_layers(model.truth, budget_bytes=budget))
-    return stack
+    if precision == "fp64":
+        return contextlib.nullcontext()
+    return keeping_layers(*(m.truth for m in exact.values()), share=1 / 8)
 
 
 def _run(ctx, workload: Workload, exact: dict, report_dir, precision: str) -> Coverage:

@@ -5,6 +5,7 @@ hand. :func:`reference_impl.truth.probes.probe_sequences` drives it."""
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
 
 import torch
 import torch.autograd.forward_ad as fwAD
@@ -56,36 +57,54 @@ def run_pass(truth, seqs: list[list[int]], targets: list[list[int]], probes: int
     return out
 
 
+#: the memory a CPU truth device counts as for :func:`keeping_layers`' share
+CPU_MEMORY_BYTES = 8 << 30
+
+
+@dataclass
+class KeptLayers:
+    """Decoder layers built in ``dtype`` and kept between passes, within ``budget`` bytes of parameters."""
+
+    dtype: torch.dtype
+    budget: int
+    used: int = 0
+    layers: dict = field(default_factory=dict)
+
+
 @contextlib.contextmanager
-def keeping_layers(truth, dtype: torch.dtype = torch.float32, budget_bytes: int | None = None):
-    """Probed passes in ``dtype`` inside this context reuse each decoder layer built once (its weights decoded
-    and cast once, not at every pass) while their parameters fit ``budget_bytes`` (default: a quarter of the
-    truth device's memory, 2 GiB on a CPU); freed on exit. A workload's truth makes hundreds of passes."""
-    if budget_bytes is None:
-        budget_bytes = (torch.cuda.get_device_properties(truth.device).total_memory // 4
-                        if truth.device.type == "cuda" else 2 << 30)
-    truth._probe_layers = {"dtype": dtype, "budget": budget_bytes, "bytes": 0, "layers": {}}
+def keeping_layers(*truths, dtype: torch.dtype = torch.float32, share: float = 0.25):
+    """Probed passes in ``dtype`` inside this context reuse each decoder layer of each of ``truths`` built once (its
+    weights decoded and cast once, not at every pass) while their parameters fit ``share`` of its truth device's
+    memory (a CPU counts as :data:`CPU_MEMORY_BYTES`); freed on exit. A workload's truth makes hundreds of
+    passes."""
+    unique = list({id(t): t for t in truths}.values())
+    for t in unique:
+        memory = (torch.cuda.get_device_properties(t.device).total_memory if t.device.type == "cuda"
+                  else CPU_MEMORY_BYTES)
+        t._probe_layers = KeptLayers(dtype, int(share * memory))
     try:
         yield
     finally:
-        truth._probe_layers = None
+        for t in unique:
+            t._probe_layers = None
 
 
 @contextlib.contextmanager
 def _layer(truth, i: int, dtype: torch.dtype):
     """Decoder layer ``i`` in ``dtype``: kept by :func:`keeping_layers` if one is open for ``dtype``."""
     keep = getattr(truth, "_probe_layers", None)
-    if keep is not None and keep["dtype"] == dtype and i in keep["layers"]:
-        yield keep["layers"][i]
+    keep = keep if keep is not None and keep.dtype == dtype else None
+    if keep is not None and i in keep.layers:
+        yield keep.layers[i]
         return
     with truth.layer(i) as layer:
         if dtype != torch.float64:  # (DeepSeek's router stays fp32 in fp64 mode, as transformers has it)
             layer.to(dtype)
-        if keep is not None and keep["dtype"] == dtype:
+        if keep is not None:
             size = sum(p.numel() * p.element_size() for p in layer.parameters())
-            if keep["bytes"] + size <= keep["budget"]:
-                keep["layers"][i] = layer
-                keep["bytes"] += size
+            if keep.used + size <= keep.budget:
+                keep.layers[i] = layer
+                keep.used += size
         yield layer
 
 
@@ -139,13 +158,16 @@ def values_fp64(truth, seqs: list[list[int]], targets: list[list[int]]) -> list[
             rows = max(1, HEAD_ELEMENTS // w.shape[0])
             parts = []
             for lo in range(0, h.shape[1], rows):
-                logits = h[s, lo:lo + rows] @ w.T
-                c = tg[lo:lo + rows, None]
-                best = logits.argmax(-1)
-                parts.append((logits.gather(1, c)[:, 0] - torch.logsumexp(logits, -1), best,
-                              logits.gather(1, best[:, None])[:, 0] - logits.gather(1, c)[:, 0]))
+                parts.append(_row_values(h[s, lo:lo + rows] @ w.T, tg[lo:lo + rows]))
             out.append(tuple(torch.cat([p[i] for p in parts]) for i in range(3)))
     return out
+
+
+def _row_values(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of ``logits [c, V]``: the logprob of ``targets [c]``, the best token, ``logit(best) - logit(target)``."""
+    target = logits.gather(1, targets[:, None])[:, 0]
+    best = logits.argmax(-1)
+    return target - torch.logsumexp(logits, -1), best, logits.gather(1, best[:, None])[:, 0] - target
 
 
 @contextlib.contextmanager
@@ -182,12 +204,7 @@ def _head(truth, h: torch.Tensor, w: torch.Tensor, targets: list[int], tp: int, 
         z = fwAD.unpack_dual(store).tangent + _tangent_gemm(ht, w, gemm_dtype)
         tc = tg[lo:lo + c]
         dz = z.gather(2, tc.expand(k, -1)[..., None])[..., 0] - (z * torch.softmax(p0, -1)).sum(-1)
-        if values is None:
-            lp = p0.gather(1, tc[:, None])[:, 0] - torch.logsumexp(p0, -1)
-            best = p0.argmax(-1)
-            gap = p0.gather(1, best[:, None])[:, 0] - p0.gather(1, tc[:, None])[:, 0]
-        else:
-            lp, best, gap = (v[lo:lo + c] for v in values)
+        lp, best, gap = _row_values(p0, tc) if values is None else (v[lo:lo + c] for v in values)
         dg = z.gather(2, best.expand(k, -1)[..., None])[..., 0] - z.gather(2, tc.expand(k, -1)[..., None])[..., 0]
         parts.append((lp, dz.pow(2).mean(0), best, gap, dg.pow(2).mean(0)))
         del store, z

@@ -80,7 +80,7 @@ def test_kept_layers_give_the_same_estimates(dense):
     once = probes.probe_sequences(dense, seqs, targets, 8, seed=2, precision="fp32")
     with probes.keeping_layers(dense):
         kept = [probes.probe_sequences(dense, seqs, targets, 8, seed=2, precision="fp32") for _ in range(2)]
-        assert len(dense._probe_layers["layers"]) == dense.cfg.num_layers
+        assert len(dense._probe_layers.layers) == dense.cfg.num_layers
     assert dense._probe_layers is None
     for again in kept:
         for a, b in zip(once, again):

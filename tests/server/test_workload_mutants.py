@@ -144,5 +144,5 @@ def test_fp32_truth_keeps_each_weight_sets_layers_within_its_budget(catalog):
         assert all(getattr(m.truth, "_probe_layers", None) is None for m in exact.values())
     with _kept_layers(exact, "fp32"):
         kept = [m.truth._probe_layers for m in exact.values()]
-        assert all(k is not None and k["dtype"] == torch.float32 and k["budget"] == 1 << 30 for k in kept)
+        assert all(k is not None and k.dtype == torch.float32 and k.budget == 1 << 30 for k in kept)
     assert all(m.truth._probe_layers is None for m in exact.values())
