@@ -109,7 +109,8 @@ def drops_requests_during_reload() -> dict:
 class _AbortingPauseScheduler(Scheduler):
     """vLLM's ``/pause?mode=wait`` treated as ``mode=abort``: the generate requests in flight when the pause
     drains the queue (its "flush" job) are answered as aborted instead of being finished. Generation takes
-    0.2 s a batch (a slow engine), so the requests sent just before a reload are in flight when it pauses."""
+    0.2 s a batch (a slow engine), so the requests sent just before a reload are in flight when it pauses (or,
+    where the pause comes late, those sent during the reload)."""
 
     def __init__(self, runtime):
         self._abort = threading.Event()
