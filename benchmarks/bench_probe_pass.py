@@ -1,5 +1,5 @@
 """Time per judged token of the truth's probed passes (reference_impl/truth/probes.py) by precision, measured in
-the same run on the same sequences: fp64, fp32 with BF16 tangent GEMMs (the default of ``fp32``) and with TF32
+the same run on the same sequences: the fp64 forward of the values alone (``values``), fp64, fp32 with BF16 tangent GEMMs (the default of ``fp32``) and with TF32
 ones, each with the decoder layers kept between passes (``keeping_layers``; the first pass, which builds them,
 timed apart). Optionally the GPU time by kernel of one fp32 pass (``--profile``).
 
@@ -38,6 +38,18 @@ def measure(checkpoint: str, device: str, shapes: list[tuple[int, int]], probes:
         seqs = [torch.randint(0, model.cfg.vocab_size, (t,), generator=g).tolist() for _ in range(n)]
         targets = [s[1:] + [s[0]] for s in seqs]
         for mode in modes:
+            if mode == "values":  # the fp64 forward an fp32 pass takes its values from, alone
+                times = []
+                for _ in range(2):
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    pass_.values_fp64(model.truth, seqs, targets)
+                    _sync(device)
+                    times.append(time.perf_counter() - t0)
+                rows.append({"shape": f"{n}x{t}", "mode": mode, "first_s": times[0], "kept_s": times[1],
+                             "ms_per_token": 1e3 * times[1] / (n * t)})
+                print(rows[-1], flush=True)
+                continue
             precision, gemm = {"fp64": ("fp64", None), "fp32-bf16": ("fp32", torch.bfloat16),
                                "fp32-tf32": ("fp32", None)}[mode]
             pass_.TANGENT_GEMM = gemm

@@ -174,7 +174,8 @@ def run_workload(a: argparse.Namespace, device: str) -> None:
             print(f"fp32 probes, tangent GEMMs in {mode}, against fp64 from the same draws ({c['rows']} rows): "
                   f"|V32/V64 - 1| max {c['max_abs']:.2e}, mean {c['mean_abs']:.2e}, signed mean {c['mean']:+.2e}; "
                   f"values differ by at most {c['value_diff']:.1e}", flush=True)
-    row = truth_workload.run(path, a.workload, device, a.budget_s, chunk=a.chunk, precision=a.precision)
+    row = truth_workload.run(path, a.workload, device, a.budget_s, chunk=a.chunk, precision=a.precision,
+                             screen=a.screen)
     print(json.dumps(row))
     print(f"\ntruth device {device}; {path}")
     print(truth_workload.table(row))
@@ -198,6 +199,9 @@ def main() -> None:
                          "reference_impl/truth/probes.py MAX_ROWS)")
     ap.add_argument("--precision", default="fp64", choices=("fp64", "fp32"),
                     help="--workload: the probed passes' arithmetic (reference_impl/truth/probes.py PRECISIONS)")
+    ap.add_argument("--screen", type=int, default=None,
+                    help="--workload: the screen's probes per sequence (default: the workload's screen_probes; 0: "
+                         "every sequence takes all its probes)")
     ap.add_argument("--compare-precision", action="store_true",
                     help="--workload: first measure the fp32 estimates' change against fp64 from the same draws")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)

@@ -12,9 +12,12 @@ prompt the same continuation in every batch, so the pool is judged once per weig
 weight set ``b`` and the longest prefill on ``b`` (the mixed traffic's long prompt is the prefill prompt of that
 length). Continuations are random token ids (teacher forcing costs the same for any tokens).
 
-The truth is run on the sequences in order of length (``chunk`` sequences of one length at a time, sharing
-probed passes) until ``--budget-s`` is spent; the projection for the whole
-workload scales the measured time by the floor FLOPs of all sequences over those of the sequences done.
+The truth is run on ``chunk`` sequences of one length at a time (sharing probed passes), the first chunk of every
+length, then the second, and so on, until ``--budget-s`` is spent; the projection for the whole workload takes
+each length's measured seconds per floor FLOP (a length not reached: the nearest reached) times its floor FLOPs.
+With ``--screen K1`` the truth is the screen's (reference_impl/truth/probes.py): ``K1`` probes per sequence,
+what the verdict of an engine whose every check clears the screen costs; an answer that does not clear it costs
+the rest of the probes on top (``probes / K1 - 1`` times its screen's time).
 """
 from __future__ import annotations
 
@@ -76,8 +79,32 @@ def disk_rate(files: list[Path]) -> tuple[float, int]:
     return total / (time.perf_counter() - t), total
 
 
+def _interleaved(groups: dict, chunk: int):
+    """``(group, chunk of its sequences)``: the first chunk of every group (shortest first), then the second
+    chunks, and so on, so a budget that stops early has measured every length it could reach."""
+    keys = sorted(groups, key=lambda k: (k[1], k[0]))
+    for lo in range(0, max(len(g) for g in groups.values()), chunk):
+        for key in keys:
+            if lo < len(groups[key]):
+                yield key, groups[key][lo:lo + chunk]
+
+
+def _projection(groups: dict, flops: dict, spent_by: dict, wall: float) -> float:
+    """The whole workload's truth time: each group's measured seconds per floor FLOP times its floor FLOPs (a
+    group not reached at the rate of the nearest length reached), plus what the measured groups' time leaves out
+    of the wall time (opening the checkpoints)."""
+    if not spent_by:
+        return float("nan")
+    total = 0.0
+    for key, group in groups.items():
+        near = min(spent_by, key=lambda k: (abs(k[1] - key[1]), k[0] != key[0]))
+        seconds, done = spent_by[near]
+        total += seconds / done * sum(flops[id(x)] for x in group)
+    return total + wall - sum(v[0] for v in spent_by.values())
+
+
 def run(path: str, workload_name: str, device: str, budget_s: float, b_path: str | None = None,
-        chunk: int = 64, precision: str = "fp64") -> dict:
+        chunk: int = 64, precision: str = "fp64", screen: int | None = None) -> dict:
     from conformance.server.workloads import load
     from reference_impl.truth.golden import ExactModel
 
@@ -96,7 +123,6 @@ def run(path: str, workload_name: str, device: str, budget_s: float, b_path: str
     t0 = time.perf_counter()
     models = {"a": ExactModel(path, device)}
     models["b"] = ExactModel(b_path, device) if b_path else models["a"]  # same shape: the cost is the same
-    done_flops, done, tokens = 0.0, 0, 0
     groups: dict[tuple[str, int], list] = {}  # sequences of one weight set and length share probed passes
     for x in all_seqs:
         groups.setdefault((x[0], len(x[1]) + len(x[2])), []).append(x)
@@ -104,23 +130,31 @@ def run(path: str, workload_name: str, device: str, budget_s: float, b_path: str
 
     from reference_impl.truth.probes import keeping_layers
 
+    screen = workload.screen_probes if screen is None else screen
+    first = screen or workload.probes  # with a screen, the probes every answer takes (a correct engine's truth)
+    spent_by: dict[tuple[str, int], list[float]] = {}  # group -> [seconds, floor FLOPs done]
+    done, tokens = 0, 0
     # fp32: each weight set's layers decoded and cast once (the fp32 copies fit a GPU)
     keep = keeping_layers(*(m.truth for m in models.values())) if precision != "fp64" else contextlib.nullcontext()
     with keep:
-        for (ws, n), group in sorted(groups.items(), key=lambda kv: kv[0][1]):
-            for lo in range(0, len(group), chunk):
-                if time.perf_counter() - t0 > budget_s:
-                    break
-                part = group[lo:lo + chunk]
-                models[ws].teacher_forced_many([(p, c) for _, p, c in part], workload.probes, precision=precision)
-                done_flops += sum(flops[id(x)] for x in part)
-                done += len(part)
-                tokens += n * len(part)
-                spent = time.perf_counter() - t0
-                # progress on stderr: a run stopped from outside still leaves its rate
-                print(f"[{spent:.0f} s] {done}/{len(all_seqs)} sequences, {tokens} tokens (the last {len(part)} of "
-                      f"{n}), {1e3 * spent / tokens:.1f} ms per token so far, projected "
-                      f"{spent * total_flops / done_flops:.0f} s", file=sys.stderr, flush=True)
+        for key, part in _interleaved(groups, chunk):
+            if time.perf_counter() - t0 > budget_s:
+                break
+            t1 = time.perf_counter()
+            models[key[0]].teacher_forced_many([(p, c) for _, p, c in part], first, precision=precision)
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            cell = spent_by.setdefault(key, [0.0, 0.0])
+            cell[0] += time.perf_counter() - t1
+            cell[1] += sum(flops[id(x)] for x in part)
+            done += len(part)
+            tokens += key[1] * len(part)
+            spent = time.perf_counter() - t0
+            # progress on stderr: a run stopped from outside still leaves its rate
+            print(f"[{spent:.0f} s] {done}/{len(all_seqs)} sequences, {tokens} tokens (the last {len(part)} of "
+                  f"{key[1]}), {1e3 * spent / tokens:.1f} ms per token so far, projected "
+                  f"{_projection(groups, flops, spent_by, spent):.0f} s", file=sys.stderr, flush=True)
+    done_flops = sum(v[1] for v in spent_by.values())
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
@@ -130,7 +164,7 @@ def run(path: str, workload_name: str, device: str, budget_s: float, b_path: str
             "tokens_done": tokens, "tokens": sum(len(p) + len(c) for _, p, c in all_seqs),
             "gemm_tflops": rate / 1e12, "disk_gb_s": disk / 1e9, "checkpoint_gb": size / 1e9,
             "floor_s": floor_s, "truth_s_done": wall, "floor_s_done": done_flops / rate + size / disk,
-            "projected_s": wall * total_flops / max(done_flops, 1.0),
+            "projected_s": _projection(groups, flops, spent_by, wall), "screen": screen, "probes_run": first,
             "peak_gpu_gib": torch.cuda.max_memory_reserved() / 2**30 if device.startswith("cuda") else 0.0,
             "peak_host_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
@@ -140,10 +174,14 @@ def table(r: dict) -> str:
         "| workload | precision | probes | sequences (done) | tokens (done) | fp64 GEMM TFLOP/s | disk GB/s | floor s | "
         "truth s (done) | floor s (done) | projected s | projected / floor | peak GPU GiB | peak host GiB |",
         "|" + " --- |" * 14,
-        f"| {r['workload']} | {r['precision']} | {r['probes']} | {r['sequences']} ({r['done']}) | {r['tokens']} ({r['tokens_done']}) | "
+        f"| {r['workload']} | {r['precision']} | {_probes(r)} | {r['sequences']} ({r['done']}) | {r['tokens']} ({r['tokens_done']}) | "
         f"{r['gemm_tflops']:.1f} | {r['disk_gb_s']:.2f} | {r['floor_s']:.1f} | {r['truth_s_done']:.1f} | "
         f"{r['floor_s_done']:.1f} | {r['projected_s']:.0f} | {r['projected_s'] / r['floor_s']:.1f} | "
         f"{r['peak_gpu_gib']:.1f} | {r['peak_host_gib']:.1f} |"])
+
+
+def _probes(r: dict) -> str:
+    return f"{r['probes_run']} (screen) of {r['probes']}" if r.get("screen") else str(r["probes"])
 
 
 def precision_change(path: str, workload_name: str, device: str, lengths: tuple[int, ...] = (80, 513),

@@ -15,6 +15,11 @@ Checks, per row ``k`` (the prediction of token ``k + 1``), bound ``LAMBDA_K sqrt
   gap between the two must be within its bound (a near tie a correct BF16 engine may take either way). Each step
   is judged on the engine's own prefix, so a legitimate divergence does not end the comparison.
 
+The screen (:func:`reference_impl.truth.probes.screen_lambda`): each answer's truth first takes a few of the probes;
+an answer whose every check is within ``LAMBDA_S sqrt(V_hat)`` on them is decided there (it passes), any other
+draws the rest and is judged on all of them as above. The screen never fails a check: the verdicts are the full
+probes' except, with probability at most 1e-9 per check, a check they would fail that the screen passed.
+
 MoE routing: a row that fails while some routing decision at or before it is a near tie (its gap within its bound)
 is judged again on the branches with those decisions taken the other way (breadth first, at most
 :data:`MAX_BRANCHES` forwards per answer): it passes if a branch puts it within bounds.
@@ -42,6 +47,9 @@ from conformance.server.workloads import PHASES, bucket, buckets_up_to
 MAX_BRANCHES = 48
 MAX_TIES_HERE = 6  # near ties at a failing row's own position tried in subsets (2^6 - 1 sets at most)
 MAX_REPORTED = 8  # failing rows named in a failure message (all of them are in the coverage file)
+#: the seed of the probes drawn after a screen (the screen's are seed 0; every pass's groups are seeded apart from
+#: both: reference_impl/truth/probes.py)
+REST_SEED = 1
 
 
 @dataclass
@@ -100,6 +108,8 @@ class Coverage:
     cells: dict = field(default_factory=dict)
     failures: list[Row] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    #: the screen's counts (WorkloadJudge): answers decided on its probes, answers that drew the rest
+    screen: dict | None = None
 
     def cell(self, phase: str, b: str) -> Cell:
         return self.cells.setdefault((phase, b), Cell())
@@ -130,7 +140,8 @@ class Coverage:
                               "top1_mismatch_rate": (c.top1_mismatch / c.generated) if c.generated else None}
                 rows.append(entry)
         return {"workload": self.workload, "judged": self.judged, "failed": len(self.failures),
-                "cells": rows, "failures": [asdict(r) for r in self.failures[:200]], "notes": self.notes}
+                "cells": rows, "failures": [asdict(r) for r in self.failures[:200]], "notes": self.notes,
+                "screen": self.screen}
 
     def markdown(self) -> str:
         d = self.as_dict()
@@ -145,6 +156,12 @@ class Coverage:
                          f"{e.get('failed', 0)} | {e.get('near_tie_branches', '')} | {e.get('worst_bound_ratio', '')} | "
                          f"{'' if 'mean_delta_nll' not in e else format(e['mean_delta_nll'], '.2e')} | "
                          f"{'' if mm is None else format(mm, '.3f')} |")
+        if self.screen:
+            sc = self.screen
+            lines += ["", f"The truth's screen ({sc['probes']} of {sc['of']} probes first, threshold "
+                          f"{sc['lambda']} sqrt(V_hat)): {sc['decided']} answers decided on it, {sc['drew_the_rest']} "
+                          f"drew the rest (worst bound ratios of screened answers use their {sc['probes']}-probe "
+                          f"estimates)."]
         return "\n".join(lines) + "\n"
 
     def write(self, directory: Path, stem: str) -> list[Path]:
@@ -193,37 +210,90 @@ class WorkloadJudge:
     :class:`reference_impl.truth.golden.ExactModel`), adding to ``coverage``."""
 
     def __init__(self, exact: dict, coverage: Coverage, tp: int = 1, probes: int | None = None,
-                 precision: str = "fp64"):
-        from reference_impl.truth.probes import DEFAULT_PROBES, probe_lambda
+                 precision: str = "fp64", screen: int = 0):
+        from reference_impl.truth.probes import DEFAULT_PROBES, probe_lambda, screen_lambda
 
         self.exact, self.coverage, self.tp, self.precision = exact, coverage, tp, precision
         self.probes = probes or DEFAULT_PROBES
         self.lam = probe_lambda(self.probes, GOLDEN_LAMBDA)  # the golden bounds' risk
+        # the screen (reference_impl/truth/probes.py): ``screen`` probes first, the rest only where a check is not
+        # clearly within bounds on them; it never fails a check itself
+        self.screen = screen if 0 < screen < self.probes else 0
+        self.lam_screen = screen_lambda(self.screen, self.probes, GOLDEN_LAMBDA) if self.screen else 0.0
+        coverage.screen = {"probes": self.screen, "of": self.probes, "lambda": round(self.lam_screen, 4),
+                           "decided": 0, "drew_the_rest": 0} if self.screen else None
 
     def bound(self, var: float) -> float:
         return self.lam * math.sqrt(max(float(var), 0.0))
 
     def prefetch(self, answers: list[TokenGeneration], plans: list[Planned]) -> None:
         """The truth of a batch of answers at once (per weight set): sequences of one length share probed passes
-        (one pass per sequence would make every pass carry its own weight draws); :meth:`judge` then finds them."""
+        (one pass per sequence would make every pass carry its own weight draws), and the rest of the probes of
+        the answers the screen leaves undecided, at once too; :meth:`judge` then finds them."""
         by_set: dict[str, list] = {}
         for answer, plan in zip(answers, plans):
             if answer.ids:
-                by_set.setdefault(plan.weight_set, []).append((list(answer.prompt_ids), list(answer.ids)))
-        for weight_set, pairs in by_set.items():
-            self.exact[weight_set].teacher_forced_many(pairs, self.probes, self.tp, precision=self.precision)
+                by_set.setdefault(plan.weight_set, []).append(answer)
+        for weight_set, items in by_set.items():
+            model = self.exact[weight_set]
+            pairs = [(list(a.prompt_ids), list(a.ids)) for a in items]
+            first = model.teacher_forced_many(pairs, self.screen or self.probes, self.tp, precision=self.precision)
+            if self.screen:
+                rest = [pair for pair, a, tf in zip(pairs, items, first) if not self._clears_screen(a, tf)]
+                if rest:
+                    model.teacher_forced_many(rest, self.probes - self.screen, self.tp, seed=REST_SEED,
+                                              precision=self.precision)
+
+    def _rows(self, answer: TokenGeneration, request: str) -> tuple[range, list[float]]:
+        """The rows an answer's logprobs judge (from the first prompt position when it returned prompt logprobs)
+        and those logprobs; an AssertionError where their count is not the rows'."""
+        prompt, cont = list(answer.prompt_ids), list(answer.ids)
+        lp_engine = list(answer.prompt_logprobs or ()) + list(answer.logprobs)
+        first_row = 0 if answer.prompt_logprobs is not None else len(prompt) - 1
+        rows = range(first_row, len(prompt) + len(cont) - 1)
+        if len(lp_engine) != len(rows):
+            raise AssertionError(f"{request}: {len(lp_engine)} logprobs for {len(rows)} positions")
+        return rows, lp_engine
+
+    def _clears_screen(self, answer: TokenGeneration, tf) -> bool:
+        """Whether every check of ``answer`` is within the screen's threshold on ``tf`` (the screen's probes): its
+        logprob deviations and, where its token is not the reference's best, the reference's gap."""
+        try:
+            rows, lp_engine = self._rows(answer, "")
+        except AssertionError:
+            return False  # judge() reports it
+        lam, prompt_len = self.lam_screen, len(answer.prompt_ids)
+        for k, lp in zip(rows, lp_engine):
+            if not abs(lp - float(tf.logprob[k])) <= lam * math.sqrt(max(float(tf.logprob_var[k]), 0.0)):
+                return False
+            if k >= prompt_len - 1 and int(tf.best[k]) != tf.tokens[k + 1] and not (
+                    float(tf.gap[k]) <= lam * math.sqrt(max(float(tf.gap_var[k]), 0.0))):
+                return False
+        return True
+
+    def _truth(self, model, answer: TokenGeneration):
+        """The answer's truth: the screen's probes where they clear it, else all the probes (joined)."""
+        from reference_impl.truth.probes import joined_estimates
+
+        prompt, cont = list(answer.prompt_ids), list(answer.ids)
+        tf = model.teacher_forced(prompt, cont, self.screen or self.probes, self.tp, precision=self.precision)
+        if not self.screen:
+            return tf
+        if self._clears_screen(answer, tf):
+            self.coverage.screen["decided"] += 1
+            return tf  # every check within LAMBDA_S sqrt(V_hat_1) < LAMBDA_K sqrt(V_hat_1): none can fail below
+        self.coverage.screen["drew_the_rest"] += 1
+        more = model.teacher_forced(prompt, cont, self.probes - self.screen, self.tp, seed=REST_SEED,
+                                    precision=self.precision)
+        return joined_estimates(tf, more)
 
     def judge(self, answer: TokenGeneration, plan: Planned) -> None:
         prompt, cont = list(answer.prompt_ids), list(answer.ids)
         if not cont:
             raise AssertionError(f"{plan.request}: the server generated no token (asked for a continuation)")
         model = self.exact[plan.weight_set]
-        tf = model.teacher_forced(prompt, cont, self.probes, self.tp, precision=self.precision)
-        lp_engine = list(answer.prompt_logprobs or ()) + list(answer.logprobs)
-        first_row = 0 if answer.prompt_logprobs is not None else len(prompt) - 1
-        rows = range(first_row, len(prompt) + len(cont) - 1)
-        if len(lp_engine) != len(prompt) + len(cont) - 1 - first_row:
-            raise AssertionError(f"{plan.request}: {len(lp_engine)} logprobs for {len(rows)} positions")
+        rows, lp_engine = self._rows(answer, plan.request)
+        tf = self._truth(model, answer)
         failing: list[Row] = []
         judged = []  # per row: (row, its cell, engine logprob, reference logprob, bound, the failure or None)
         for k, lp in zip(rows, lp_engine):

@@ -64,7 +64,7 @@ def _run(ctx, workload: Workload, exact: dict, report_dir, precision: str) -> Co
     client, spec = ctx.client, SamplingSpec(workload.continuation, 0.0, ignore_eos=True)
     vocab_size = exact["a"].cfg.vocab_size
     coverage = Coverage(workload.name)
-    judge = WorkloadJudge(exact, coverage, ctx.tp, workload.probes, precision)
+    judge = WorkloadJudge(exact, coverage, ctx.tp, workload.probes, precision, workload.screen_probes)
     pool = workload.prompts(vocab_size, workload.short_length, workload.pool_size, "pool")
     can_reload = not client.missing(("reload_weights",))
 

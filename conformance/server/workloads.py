@@ -78,6 +78,10 @@ class Workload:
     #: forward-mode probes of the truth per sequence (reference_impl/truth/probes.py): 64 puts the bound 16 %
     #: above the exact variance's at the same risk, 32 36 % (half the truth's cost)
     probes: int = 64
+    #: probes drawn first (0: none): an answer whose every check is within the screen's threshold is decided on
+    #: them, any other gets the rest (reference_impl/truth/probes.py, the screen: the verdicts differ with
+    #: probability at most 1e-9 per check, and only ever where the full probes would fail)
+    screen_probes: int = 8
 
     def check(self, max_positions: int | None = None, max_batch: int | None = None) -> None:
         """Raise ValueError naming the field that cannot work (or does not fit the model / the server)."""
@@ -88,6 +92,10 @@ class Workload:
         for name, values in ints.items():
             if not values or any(not isinstance(v, int) or v < 1 for v in values):
                 raise ValueError(f"workload {self.name!r}: {name} must hold integers >= 1, got {values!r}")
+        s = self.screen_probes
+        if not isinstance(s, int) or s < 0 or (s and (s % 2 or s < 2 or s >= self.probes)):
+            raise ValueError(f"workload {self.name!r}: screen_probes must be 0 (no screen) or an even number from 2 "
+                             f"to fewer than probes ({self.probes}), got {s!r}")
         if self.continuation < 2:
             raise ValueError(f"workload {self.name!r}: continuation must be >= 2 (the first generated token comes from "
                              f"the prefill: one more is the decode's)")
@@ -174,7 +182,7 @@ def load(spec: str) -> Workload:
         raise ValueError(f"--workload {spec}: unknown fields {unknown}; known: {sorted(known)}")
     data.setdefault("name", path.stem)
     missing = sorted(f.name for f in fields(Workload) if f.name not in data and f.default is f.default_factory)
-    missing = [m for m in missing if m not in ("seed", "notes", "probes")]
+    missing = [m for m in missing if m not in ("seed", "notes", "probes", "screen_probes")]
     if missing:
         raise ValueError(f"--workload {spec}: missing fields {missing}")
     try:

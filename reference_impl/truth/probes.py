@@ -24,12 +24,25 @@ accumulation ``2^-23``, the TPn partial sums) are one Gaussian per element with 
 the quantity under the exact bound's square root. The estimate is unbiased (``E[V_hat] = V``);
 tests/reference/test_truth_probes.py checks ``K V_hat / V`` against ``chi^2_K`` with the exact ``V`` of the fixtures.
 
+**The screen** (:func:`screen_lambda`). Most checks of a correct engine sit far inside their bound, and ``K``
+probes per sequence are most of the truth's cost. A check ``|x| <= LAMBDA_K sqrt(V_hat_K)`` (``x``: a deviation,
+or a logit gap) is first screened with ``K1`` of the probes: ``|x| <= LAMBDA_S sqrt(V_hat_1)`` decides it within
+bounds; any other outcome draws the other ``K2 = K - K1`` probes (independent draws) and the check is made with
+``V_hat_K = (K1 V_hat_1 + K2 V_hat_2) / K``, a ``K``-probe estimate like any other. The screen only ever says
+"within": a screened check fails exactly where the ``K``-probe check fails, so the false-failure risk is the
+bound's own. The two verdicts differ only where the screen passes a check the ``K`` probes would fail: then
+``LAMBDA_K^2 V_hat_K < LAMBDA_S^2 V_hat_1``, i.e. ``(V_hat_1 / V_hat_2) (K LAMBDA_S^2 - K1 LAMBDA_K^2) > K2
+LAMBDA_K^2``, whose probability, whatever ``x`` and ``V``, is ``P(F(K1, K2) > c)`` with ``c = K2 LAMBDA_K^2 / (K
+LAMBDA_S^2 - K1 LAMBDA_K^2)`` (``K1 V_hat_1 / V`` and ``K2 V_hat_2 / V`` independent ``chi^2``). ``LAMBDA_S`` is the
+largest with that probability at most :data:`SCREEN_DISAGREEMENT` (1e-9 per check): for ``K1`` = 8 of 64, 3.10 (8 of 32: 4.32).
+
 **Cost.** One forward of ``K`` replicas with tangents (each linear's primal once per sequence; per replica its
 tangent and the weight term's product, two GEMMs as large as the forward's), independent of how many outputs are
 judged: every position's logprob, every gap, every routing decision of the sequence.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -40,8 +53,9 @@ from reference_impl.truth.probe_draws import Probe, Probed
 from reference_impl.truth.probe_pass import keeping_layers
 
 # the probes' public face: the draws (probe_draws.py) and the pass (probe_pass.py) are its parts
-__all__ = ["DEFAULT_PROBES", "PRECISIONS", "MAX_ROWS", "Probe", "Probed", "keeping_layers", "probe_lambda",
-           "probe_sequence", "probe_sequences", "route_outputs", "rows_budget"]
+__all__ = ["DEFAULT_PROBES", "PRECISIONS", "MAX_ROWS", "SCREEN_DISAGREEMENT", "Probe", "Probed", "f_tail",
+           "joined_estimates", "keeping_layers", "probe_lambda", "probe_sequence", "probe_sequences", "route_outputs",
+           "rows_budget", "screen_disagreement", "screen_lambda"]
 
 #: probes per sequence: the bound is 16 % wider than with the exact variance (module docstring)
 DEFAULT_PROBES = 64
@@ -58,6 +72,68 @@ def probe_lambda(probes: int, base_lambda: float) -> float:
     if probes < 1:
         raise ValueError(f"at least one probe, got {probes}")
     return math.sqrt(probes * math.expm1(base_lambda ** 2 / probes))
+
+
+#: the most probability, per check, that the screen's verdict differs from the full ``K`` probes' (only ever a
+#: check the ``K`` probes would fail, passed): far below the bound's own false-failure risk, 3.0e-8
+SCREEN_DISAGREEMENT = 1e-9
+
+
+def f_tail(c: float, d1: int, d2: int) -> float:
+    """``P(F > c)`` for ``F ~ F(d1, d2)`` with ``d1`` even (exact: ``P(Beta(d1/2, d2/2) > x) = sum_{j < d1/2}
+    Gamma(b + j) / (Gamma(b) j!) x^j (1 - x)^b``, ``x = d1 c / (d1 c + d2)``, ``b = d2 / 2``)."""
+    if d1 < 2 or d1 % 2 or d2 < 1:
+        raise ValueError(f"F({d1}, {d2}): d1 even and >= 2, d2 >= 1")
+    if c <= 0:
+        return 1.0
+    x, b = d1 * c / (d1 * c + d2), d2 / 2
+    log_terms = [math.lgamma(b + j) - math.lgamma(b) - math.lgamma(j + 1) + j * math.log(x) + b * math.log1p(-x)
+                 for j in range(d1 // 2)]
+    return min(1.0, sum(math.exp(t) for t in log_terms))
+
+
+def screen_disagreement(screen: int, probes: int, lam_screen: float, lam: float) -> float:
+    """The probability bound (module docstring, the screen) that a check screened with ``screen`` of ``probes``
+    probes at ``lam_screen`` passes where the ``probes``-probe check at ``lam`` fails."""
+    rest = probes - screen
+    margin = probes * lam_screen ** 2 - screen * lam ** 2
+    if margin <= 0:
+        return 1.0
+    return f_tail(rest * lam ** 2 / margin, screen, rest)
+
+
+def screen_lambda(screen: int, probes: int, base_lambda: float,
+                  disagreement: float = SCREEN_DISAGREEMENT) -> float:
+    """``LAMBDA_S``: the largest screen multiplier of ``sqrt(V_hat)`` from ``screen`` of ``probes`` probes whose
+    verdicts differ from the ``probes``-probe check's (``probe_lambda(probes, base_lambda)``) with probability at
+    most ``disagreement`` (module docstring). ``screen``: even, fewer than ``probes``."""
+    if screen < 2 or screen % 2 or screen >= probes:
+        raise ValueError(f"a screen of {screen} of {probes} probes: it takes an even number, 2 or more, fewer than "
+                         f"the probes")
+    lam = probe_lambda(probes, base_lambda)
+    lo, hi = lam * math.sqrt(screen / probes), lam  # the disagreement grows with LAMBDA_S from 0 at lo
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if screen_disagreement(screen, probes, mid, lam) <= disagreement else (lo, mid)
+    return lo
+
+
+def joined_estimates(first, more):
+    """One sequence's answer (a :class:`reference_impl.truth.golden.TeacherForced`) from the probes of ``first``
+    and of ``more`` (independent draws of the same sequence, e.g. after a screen): the variance estimates are means
+    of squares, averaged by the probes; the values are ``first``'s."""
+    if list(first.tokens) != list(more.tokens) or first.tp != more.tp:
+        raise ValueError("estimates of different sequences (or TP sizes) cannot be joined")
+    k = first.probes + more.probes
+
+    def mean(a, b):
+        return (a * first.probes + b * more.probes) / k
+    extra = {(t, s): v for t, s, _, v in more.routes}
+    if set(extra) != {(t, s) for t, s, _, _ in first.routes}:
+        raise ValueError("the two passes' routing decisions differ: not one sequence's estimates")
+    routes = [(t, s, gap, mean(v, extra[(t, s)])) for t, s, gap, v in first.routes]
+    return dataclasses.replace(first, logprob_var=mean(first.logprob_var, more.logprob_var),
+                               gap_var=mean(first.gap_var, more.gap_var), routes=routes, probes=k)
 
 
 def _joined(parts: list[Probed]) -> Probed:
