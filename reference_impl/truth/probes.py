@@ -187,13 +187,13 @@ def _probe_sequences(truth, seqs, targets, probes, tp, seed, max_rows, dtype) ->
     by_length: dict[int, list[int]] = {}
     for i, s in enumerate(seqs):
         by_length.setdefault(len(s), []).append(i)
+    values = _values(truth, seqs, targets, by_length) if dtype != torch.float64 else {}
     for t, idx in sorted(by_length.items()):
         group = max(1, min(probes, max_rows // t))  # replicas per pass
         if group < probes:  # a long sequence: its replicas in groups, independent draws each (seeded apart)
             for i in idx:
-                values = probe_pass.values_fp64(truth, [seqs[i]], [targets[i]]) if dtype != torch.float64 else None
                 parts = [probe_pass.run_pass(truth, [seqs[i]], [targets[i]], min(group, probes - lo), tp,
-                                     seed + 7919 * (lo // group + 1), dtype, values)[0]
+                                             seed + 7919 * (lo // group + 1), dtype, [values[i]] if values else None)[0]
                          for lo in range(0, probes, group)]
                 out[i] = _joined(parts)
             continue
@@ -201,11 +201,25 @@ def _probe_sequences(truth, seqs, targets, probes, tp, seed, max_rows, dtype) ->
         for lo in range(0, len(idx), per):
             part = idx[lo:lo + per]
             s_, t_ = [seqs[i] for i in part], [targets[i] for i in part]
-            values = probe_pass.values_fp64(truth, s_, t_) if dtype != torch.float64 else None
-            for i, p in zip(part, probe_pass.run_pass(truth, s_, t_, probes, tp, seed, dtype, values)):
+            v_ = [values[i] for i in part] if values else None
+            for i, p in zip(part, probe_pass.run_pass(truth, s_, t_, probes, tp, seed, dtype, v_)):
                 out[i] = p
     return out
 
+
+def _values(truth, seqs, targets, by_length: dict[int, list[int]]) -> dict[int, tuple]:
+    """Each sequence's fp64 values for an fp32 pass, from fp64 forwards over as many sequences of one length as
+    an fp64 pass's rows allow (each forward decodes every layer in fp64: few, large forwards, not one per
+    probed pass)."""
+    rows = rows_budget(truth.cfg, torch.float64)
+    out = {}
+    for t, idx in by_length.items():
+        per = max(1, rows // t)
+        for lo in range(0, len(idx), per):
+            part = idx[lo:lo + per]
+            got = probe_pass.values_fp64(truth, [seqs[i] for i in part], [targets[i] for i in part])
+            out.update(zip(part, got))
+    return out
 
 
 def probe_sequence(truth, ids: list[int], targets: list[int], probes: int = DEFAULT_PROBES, tp: int = 1,
