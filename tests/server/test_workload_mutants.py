@@ -102,6 +102,12 @@ def test_workload_files_are_checked(tmp_path):
     bad.write_text(good.read_text().replace("[1, 64]", "[0, 64]"))
     with pytest.raises(ValueError, match="decode_batches must hold integers >= 1"):
         load(str(bad))
+    for screen in (7, 64, -2):  # odd, not fewer than the probes, negative
+        bad.write_text(good.read_text() + f"screen_probes = {screen}\n")
+        with pytest.raises(ValueError, match="screen_probes must be 0 \\(no screen\\) or an even number"):
+            load(str(bad))
+    bad.write_text(good.read_text() + "screen_probes = 0\n")
+    assert load(str(bad)).screen_probes == 0 and w.screen_probes == 8
     with pytest.raises(ValueError, match="not a built-in"):
         load("no-such-workload")
     std = load("standard")
