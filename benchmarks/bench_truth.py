@@ -2,6 +2,8 @@
 included, as ``--server-checkpoint`` computes it) per model shape, with the per-layer cost.
 
     python benchmarks/bench_truth.py --work /scratch/truth-models [--device cuda] [--shapes fixtures,llama-3.1-8b,...]
+    python benchmarks/bench_truth.py --workload standard --checkpoint DIR [--precision fp32]  # a workload's truth
+    python benchmarks/bench_truth.py --workload standard --shapes llama-3.1-70b,deepseek-v3 --work DIR  # by depth
 
 Each shape's random-weight checkpoint is written by benchmarks/make_truth_models.py (real config, truncated
 depth where the model is large) and evicted from the page cache before every measurement, so each run reads
@@ -174,9 +176,31 @@ def run_workload(a: argparse.Namespace, device: str) -> None:
             print(f"fp32 probes, tangent GEMMs in {mode}, against fp64 from the same draws ({c['rows']} rows): "
                   f"|V32/V64 - 1| max {c['max_abs']:.2e}, mean {c['mean_abs']:.2e}, signed mean {c['mean']:+.2e}; "
                   f"values differ by at most {c['value_diff']:.1e}", flush=True)
+    shapes = [s for s in (a.shapes or "").split(",") if s in PLANS]
+    if shapes:  # truncated depths of a real shape: the truth at two depths, the whole model extrapolated
+        from benchmarks.make_truth_models import view, write
+
+        for shape in shapes:
+            written, depths, full = PLANS[shape]
+            src = write(a.work / f"{shape}-{written}", shape, written, cold=True,
+                        overrides=TINY[shape] if a.tiny else None)
+            rows = {}
+            for d in depths:
+                path = str(src if d == written else view(src, a.work / f"{shape}-{written}-view{d}", d))
+                rows[d] = truth_workload.run(path, a.workload, device, a.budget_s, chunk=a.chunk,
+                                             precision=a.precision, screen=a.screen)
+                print(json.dumps({k: v for k, v in rows[d].items() if k != "lengths"}), flush=True)
+                print(truth_workload.table(rows[d]), flush=True)
+            cfg = json.loads((src / "config.json").read_text())
+            whole = truth_workload.by_depth(rows, cfg, full, str(src))
+            print(json.dumps({"shape": shape, **whole}), flush=True)
+            print(f"{shape}: per layer {whole['per_layer_s']:.1f} s (d{whole['d1']}->d{whole['d2']}), whole model "
+                  f"({full} layers) {whole['whole_model_s']:.0f} s projected against its floor "
+                  f"{whole['whole_floor_s']:.0f} s: {whole['ratio']:.1f}x", flush=True)
+        return
     row = truth_workload.run(path, a.workload, device, a.budget_s, chunk=a.chunk, precision=a.precision,
                              screen=a.screen)
-    print(json.dumps(row))
+    print(json.dumps({k: v for k, v in row.items() if k != "lengths"}))
     print(f"\ntruth device {device}; {path}")
     print(truth_workload.table(row))
 
@@ -185,7 +209,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", type=Path, default=Path("/tmp/nvfp4-truth-models"), help="where checkpoints are written")
     ap.add_argument("--device", default=None, help="truth device (default: cuda if available, else cpu)")
-    ap.add_argument("--shapes", default="fixtures," + ",".join(PLANS))
+    ap.add_argument("--shapes", default=None,
+                    help="shapes to write and measure (default: fixtures," + ",".join(PLANS) + "); with --workload: "
+                         "the real shapes at two truncated depths, the whole model extrapolated")
     ap.add_argument("--tiny", action="store_true", help="toy dimensions (checks the benchmark itself)")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here (appended as measured)")
     ap.add_argument("--workload", default=None,
@@ -223,7 +249,7 @@ def main() -> None:
             with open(a.json, "a") as f:
                 f.write(json.dumps(row) + "\n")
 
-    rows = run([s for s in a.shapes.split(",") if s], a.work, device, log, a.tiny)
+    rows = run([s for s in (a.shapes or "fixtures," + ",".join(PLANS)).split(",") if s], a.work, device, log, a.tiny)
     print(f"\ntruth device {device}; {len(PROMPT_LENGTHS)} prompts x {STEPS} greedy steps, variance proxies")
     print(table(rows))
 

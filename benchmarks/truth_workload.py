@@ -165,6 +165,7 @@ def run(path: str, workload_name: str, device: str, budget_s: float, b_path: str
             "gemm_tflops": rate / 1e12, "disk_gb_s": disk / 1e9, "checkpoint_gb": size / 1e9,
             "floor_s": floor_s, "truth_s_done": wall, "floor_s_done": done_flops / rate + size / disk,
             "projected_s": _projection(groups, flops, spent_by, wall), "screen": screen, "probes_run": first,
+            "lengths": [len(p) + len(c) for _, p, c in all_seqs],
             "peak_gpu_gib": torch.cuda.max_memory_reserved() / 2**30 if device.startswith("cuda") else 0.0,
             "peak_host_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
@@ -178,6 +179,46 @@ def table(r: dict) -> str:
         f"{r['gemm_tflops']:.1f} | {r['disk_gb_s']:.2f} | {r['floor_s']:.1f} | {r['truth_s_done']:.1f} | "
         f"{r['floor_s_done']:.1f} | {r['projected_s']:.0f} | {r['projected_s'] / r['floor_s']:.1f} | "
         f"{r['peak_gpu_gib']:.1f} | {r['peak_host_gib']:.1f} |"])
+
+
+def layer_bytes(path: str) -> tuple[int, dict[int, int]]:
+    """The checkpoint's bytes outside its decoder layers and per layer index (from the safetensors headers)."""
+    import re
+
+    from safetensors import safe_open
+
+    other, per = 0, {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as fh:
+            for name in fh.keys():
+                sl = fh.get_slice(name)
+                n = 1
+                for d in sl.get_shape():
+                    n *= d
+                size = n * {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "U8": 1, "I8": 1, "F8_E4M3": 1}[sl.get_dtype()]
+                m = re.search(r"layers\.(\d+)\.", name)
+                if m:
+                    per[int(m.group(1))] = per.get(int(m.group(1)), 0) + size
+                else:
+                    other += size
+    return other, per
+
+
+def by_depth(rows: dict[int, dict], cfg: dict, full_layers: int, path: str) -> dict:
+    """The whole model's figures from the workload's truth at two truncated depths ``rows[d1]``, ``rows[d2]`` of
+    one checkpoint: per layer ``(P2 - P1) / (d2 - d1)`` of the projected times, the whole model ``P1 + (L - d1)``
+    per layer; its floor at full depth (the layers past the written ones read like the last one written)."""
+    (d1, r1), (d2, r2) = sorted(rows.items())
+    per_layer = (r2["projected_s"] - r1["projected_s"]) / (d2 - d1)
+    whole = r1["projected_s"] + (full_layers - d1) * per_layer
+    other, per = layer_bytes(path)
+    last = per[max(per)]
+    size = other + sum(per.get(i, last) for i in range(full_layers))
+    full_cfg = {**cfg, "num_hidden_layers": full_layers}
+    flops = sum(3 * forward_flops(full_cfg, n) for n in r1["lengths"])
+    floor = flops / (r1["gemm_tflops"] * 1e12) + size / (r1["disk_gb_s"] * 1e9)
+    return {"d1": d1, "d2": d2, "layers": full_layers, "per_layer_s": per_layer, "whole_model_s": whole,
+            "whole_floor_s": floor, "ratio": whole / floor, "whole_checkpoint_gb": size / 1e9}
 
 
 def _probes(r: dict) -> str:
