@@ -38,7 +38,9 @@ def judged_sequences(workload, vocab: int) -> dict[str, list[tuple[list[int], li
     prefills = [(workload.prompts(vocab, n, 1, "prefill")[0], cont()) for n in workload.prefill_lengths]
     pool = [(p, cont()) for p in workload.prompts(vocab, workload.short_length, workload.pool_size, "pool")]
     longest = max(workload.prefill_lengths)
-    b_pool = pool[:max(workload.reload_batches)]
+    # weight set b: the pool's prompts with continuations of their own (an engine on other weights generates
+    # others; the same pairs would be memoised answers, judged for free)
+    b_pool = [(p, cont()) for p, _ in pool[:max(workload.reload_batches)]]
     return {"a": prefills + pool, "b": b_pool + [(workload.prompts(vocab, longest, 1, "prefill")[0], cont())]}
 
 

@@ -124,20 +124,29 @@ def truth_attention(module, query, key, value, attention_mask, scaling, dropout=
     tq, tk = query.shape[-2], key.shape[-2]
     rows = max(1, ATTENTION_BLOCK_ELEMENTS // (query.shape[0] * query.shape[1] * tk))
     causal = torch.ones(tq, tk, dtype=torch.bool, device=query.device).tril(tk - tq)
-    blocks = [_attention_block(rec, query[:, :, lo:lo + rows], key, value, causal[lo:lo + rows], scaling)
-              for lo in range(0, tq, rows)]
+    # under probes a block of queries takes the keys up to its last query only: the keys after it are masked for
+    # every query of the block (probability 0: no value, no store's error). Elsewhere every block takes every key,
+    # so the values do not depend on the blocking (the softmax runs in fp32, as transformers', and its sums would
+    # round otherwise over fewer keys: ~1e-7)
+    trim = rec.probe is not None
+    blocks = []
+    for lo in range(0, tq, rows):
+        seen = min(tk, tk - tq + lo + rows) if trim else tk
+        blocks.append(_attention_block(rec, query[:, :, lo:lo + rows], key[:, :, :seen], value[:, :, :seen],
+                                       causal[lo:lo + rows, :seen], scaling, tk))
     out = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)
     return out.transpose(1, 2).contiguous(), None
 
 
-def _attention_block(rec: Recorder, query, key, value, causal, scaling):
+def _attention_block(rec: Recorder, query, key, value, causal, scaling, keys: int):
+    # ``keys``: the sequence's keys, the length of the output's dot products in the rounding model whatever block
     scores = rec.store(torch.matmul(query, key.transpose(2, 3)) * scaling, "dot",
                        lambda: torch.matmul(primal(query).abs(), primal(key).abs().transpose(2, 3)) * scaling,
                        query.shape[-1])
     scores = scores.masked_fill(~causal, float("-inf"))
     probs = rec.store(F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype), "round")
     return rec.store(torch.matmul(probs, value), "dot", lambda: torch.matmul(primal(probs).abs(), primal(value).abs()),
-                     key.shape[-2])
+                     keys)
 
 
 # ----------------------------------------------------------------------------------------- experts

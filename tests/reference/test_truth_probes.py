@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import reference_impl.truth.instrument as instrument
 import reference_impl.truth.stores as stores
 from reference_impl.truth.engine import Output, Request, TruthModel
 from conformance.server.bounds import GOLDEN_LAMBDA
@@ -46,18 +47,28 @@ def _exact(tm: TruthModel, ids: list[int], tp: int) -> tuple[torch.Tensor, torch
 ALLOWED_SD = 4.0  # a correct estimator's row mean falls outside with probability 6e-5 (the draws are seeded: fixed)
 
 
-def _mean_ratios(family: str, tp: int, probes: int, seeds: int):
-    """Per row, the mean over SEEDS draws of V_hat / V (two sequences in one pass); routing gaps pooled."""
+#: |probe value - exact value| allowed: fp64 sums agree to 1e-12; under probes, attention in blocks of queries takes
+#: each block's keys up to its last query (reference_impl/truth/instrument.py), and the softmax, in fp32 as
+#: transformers', then sums fewer keys: its probabilities move by a few units of 2^-24 (6e-8) times the <= 8 keys,
+#: a logprob by less than 1e-5
+VALUE_ATOL = {False: 1e-12, True: 1e-5}
+
+
+def _mean_ratios(family: str, tp: int, probes: int, seeds: int, blocked: bool = False):
+    """Per row, the mean over SEEDS draws of V_hat / V (two sequences in one pass); routing gaps pooled.
+    ``blocked``: attention in blocks of 3 queries in the probed passes."""
     tm = TruthModel(str(FIXTURES / f"{family}-a"), "cpu")
     g = torch.Generator().manual_seed(11)
     seqs = [torch.randint(0, tm.cfg.vocab_size, (8,), generator=g).tolist() for _ in range(2)]
     exact = [_exact(tm, s, tp) for s in seqs]
     ratios, route_ratios = [[] for _ in seqs], []
+    if blocked:  # after the exact analysis: blocks of 3 queries of 8 in the probed passes
+        instrument.ATTENTION_BLOCK_ELEMENTS = probes * len(seqs) * tm.cfg.num_heads * 8 * 3
     for seed in range(seeds):
         probed = probe_sequences(tm, [s[:-1] for s in seqs], [s[1:] for s in seqs], probes, tp, seed)
         for i, (p, s) in enumerate(zip(probed, seqs)):
             values, v_hat = p.logprob, p.logprob_var
-            assert torch.allclose(values, exact[i][0][:len(s) - 1], rtol=0, atol=1e-12)  # the same fp64 values
+            assert torch.allclose(values, exact[i][0][:len(s) - 1], rtol=0, atol=VALUE_ATOL[blocked])
             ratios[i].append(v_hat / exact[i][1][:len(s) - 1])
             if exact[i][2]:
                 ex = {key: float(var) for key, var in zip(exact[i][2], exact[i][1][len(s) - 1:])}
@@ -68,14 +79,17 @@ def _mean_ratios(family: str, tp: int, probes: int, seeds: int):
     return rows, routes
 
 
-@pytest.mark.parametrize("family,tp,probes,seeds", [("dense-nvfp4_awq", 1, 64, 12), ("moe-nvfp4", 2, 32, 12)])
-def test_probes_are_an_unbiased_chi_square_estimate(family, tp, probes, seeds, monkeypatch):
+@pytest.mark.parametrize("family,tp,probes,seeds,blocked", [("dense-nvfp4_awq", 1, 64, 12, False),
+                                                             ("moe-nvfp4", 2, 32, 12, False),
+                                                             ("dense-nvfp4_awq", 1, 64, 12, True)])
+def test_probes_are_an_unbiased_chi_square_estimate(family, tp, probes, seeds, blocked, monkeypatch):
     """K V_hat / V ~ chi^2_K: over SEEDS independent draws a mean ratio has standard deviation
     sqrt(2 / (K SEEDS)); every row's mean (and every routing gap's) must be within ALLOWED_SD of them of 1.
     The exact weight term here keeps the sensitivities' signs (what the probes estimate; the exact analysis'
     default |a| |x| is an upper bound of it)."""
     monkeypatch.setattr(stores, "WEIGHT_TERM_SIGNED", True)
-    rows, routes = _mean_ratios(family, tp, probes, seeds)
+    monkeypatch.setattr(instrument, "ATTENTION_BLOCK_ELEMENTS", instrument.ATTENTION_BLOCK_ELEMENTS)  # restored
+    rows, routes = _mean_ratios(family, tp, probes, seeds, blocked)
     sd = math.sqrt(2 / (probes * seeds))
     assert ((rows - 1).abs() <= ALLOWED_SD * sd).all(), f"mean V_hat / V per row {rows.tolist()} (sd {sd:.3f})"
     if family.startswith("moe"):
