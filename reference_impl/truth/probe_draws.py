@@ -83,13 +83,15 @@ class Probe:
             std = var.sqrt()
             noise = self._randn(primal.shape, primal)
             if batched:  # [S, ...] against [S * K, ...]
-                noise = noise.view(one.shape[0], k, *one.shape[1:]).mul_(std[:, None]).view(primal.shape)
+                std = std[:, None]
+                noise = noise.view(one.shape[0], k, *one.shape[1:])
+            if upstream is not None:  # noise * std + upstream in one pass
+                noise = torch.addcmul(upstream.view(noise.shape), noise, std, out=noise)
             else:
                 noise.mul_(std)
+            noise = noise.view(primal.shape)
             if operands is not None:
                 self._add_weight_tangent(noise, operands, info, shared)
-            if upstream is not None:
-                noise.add_(upstream)
         # make_dual lays the tangent out like the primal: an expanded primal (the rotary tables) needs its own memory
         return fwAD.make_dual(primal if primal.is_contiguous() else primal.contiguous(), noise)
 
