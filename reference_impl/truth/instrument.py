@@ -132,8 +132,9 @@ def truth_attention(module, query, key, value, attention_mask, scaling, dropout=
     blocks = []
     for lo in range(0, tq, rows):
         seen = min(tk, tk - tq + lo + rows) if trim else tk
-        blocks.append(_attention_block(rec, query[:, :, lo:lo + rows], key[:, :, :seen], value[:, :, :seen],
-                                       causal[lo:lo + rows, :seen], scaling, tk))
+        block = _probed_attention_block if _replicated(rec, query) else _attention_block
+        blocks.append(block(rec, query[:, :, lo:lo + rows], key[:, :, :seen], value[:, :, :seen],
+                            causal[lo:lo + rows, :seen], scaling, tk))
     out = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)
     return out.transpose(1, 2).contiguous(), None
 
@@ -146,6 +147,43 @@ def _one(rec: Recorder, x: torch.Tensor) -> torch.Tensor:
     if k > 1 and p.shape[0] == k * rec.probe.sequences:
         return p[::k]
     return p
+
+
+def _replicated(rec: Recorder, x: torch.Tensor) -> bool:
+    """Whether ``x`` is laid out ``[sequences x replicas, ...]`` for the probes (one primal per sequence)."""
+    k = getattr(rec.probe, "replicas", 1)
+    return k > 1 and x.dim() >= 3 and x.shape[0] == k * rec.probe.sequences
+
+
+def _probed_attention_block(rec: Recorder, query, key, value, causal, scaling, keys: int):
+    """:func:`_attention_block` under probes, by hand: its primal once per sequence, each replica's tangent the
+    forward-mode one (the products' rule, the masked entries' zero, the fp32 softmax's ``p (t - sum p t)``) with
+    the stores' draws (:meth:`reference_impl.truth.probe_draws.Probe.store_tangent`, the same draws in the same
+    order). forward_ad would compute the ``T^2`` primal once per replica."""
+    probe, k = rec.probe, rec.probe.replicas
+    (qp, qt), (kp, kt), (vp, vt) = (torch.autograd.forward_ad.unpack_dual(x) for x in (query, key, value))
+    qt, kt, vt = (torch.zeros_like(p) if t is None else t for p, t in ((qp, qt), (kp, kt), (vp, vt)))
+    q1, k1, v1 = qp.detach()[::k], kp.detach()[::k], vp.detach()[::k]  # [S, H, ., d]
+
+    def each(t):  # [S * K, ...] -> [S, K, ...]
+        return t.reshape(q1.shape[0], k, *t.shape[1:])
+    with torch.no_grad():
+        scores = torch.matmul(q1, k1.transpose(2, 3)) * scaling
+        st = (torch.matmul(each(qt), k1.transpose(2, 3)[:, None])
+              + torch.matmul(q1[:, None], each(kt).transpose(-1, -2))) * scaling
+        st = probe.store_tangent("dot", scores, st, torch.matmul(q1.abs(), k1.abs().transpose(2, 3)) * scaling,
+                                 query.shape[-1])
+        scores = scores.masked_fill(~causal, float("-inf"))
+        st = each(st).masked_fill(~causal, 0.0)
+        p32 = F.softmax(scores, dim=-1, dtype=torch.float32)
+        t32 = st.float()
+        pt = (p32[:, None] * (t32 - (p32[:, None] * t32).sum(-1, keepdim=True))).to(query.dtype)
+        probs = p32.to(query.dtype)
+        pt = probe.store_tangent("round", probs, pt, None, 0)
+        out = torch.matmul(probs, v1)
+        ot = torch.matmul(each(pt), v1[:, None]) + torch.matmul(probs[:, None], each(vt))
+        ot = probe.store_tangent("dot", out, ot, torch.matmul(probs.abs(), v1.abs()), keys)
+    return torch.autograd.forward_ad.make_dual(out.repeat_interleave(k, dim=0), ot)
 
 
 def _attention_block(rec: Recorder, query, key, value, causal, scaling, keys: int):

@@ -69,31 +69,41 @@ class Probe:
             # linear); the MoE experts' and router's rows mix sequences, replicas and tokens: all of them
             batched = k > 1 and primal.dim() >= 3 and primal.shape[0] == rows
             shared = batched and kind.startswith("linear") and len(info) == 2
-            if batched:
-                one = primal[::k]
-                info = _every_kth(info, k, rows)
-            else:
-                one = primal
-            sq, operands = error_weights(kind, one, info, n, reduced, (self.tp,))
-            var = U_BF16 ** 2 * sq[0]
-            if sq[1] is not None:
-                var = var + U_ACCUM ** 2 * sq[1].reshape(one.shape)
-            if self.tp > 1 and sq[2 + TP_SIZES.index(self.tp)] is not None:
-                var = var + U_BF16 ** 2 * sq[2 + TP_SIZES.index(self.tp)].reshape(one.shape)
-            std = var.sqrt()
-            noise = self._randn(primal.shape, primal)
-            if batched:  # [S, ...] against [S * K, ...]
-                std = std[:, None]
-                noise = noise.view(one.shape[0], k, *one.shape[1:])
-            if upstream is not None:  # noise * std + upstream in one pass
-                noise = torch.addcmul(upstream.view(noise.shape), noise, std, out=noise)
-            else:
-                noise.mul_(std)
-            noise = noise.view(primal.shape)
-            if operands is not None:
-                self._add_weight_tangent(noise, operands, info, shared)
+            one, info = (primal[::k], _every_kth(info, k, rows)) if batched else (primal, info)
+            noise = self._tangent(kind, one, upstream, primal.shape, info, n, reduced, batched, shared)
         # make_dual lays the tangent out like the primal: an expanded primal (the rotary tables) needs its own memory
         return fwAD.make_dual(primal if primal.is_contiguous() else primal.contiguous(), noise)
+
+    def store_tangent(self, kind: str, one: torch.Tensor, upstream: torch.Tensor | None, info, n: int,
+                      reduced: bool = False) -> torch.Tensor:
+        """The tangent a store gives its replicas (``[sequences x replicas, ...]``: ``upstream`` plus its own
+        draws) from each sequence's primal ``one`` (``[sequences, ...]``) and error weights ``info`` (of ``one``):
+        what :meth:`perturb` gives a dual of the replicated primal, for a computation that holds the primal once
+        per sequence (the probed attention)."""
+        shape = (one.shape[0] * self.replicas, *one.shape[1:])
+        with torch.no_grad():
+            return self._tangent(kind, one, upstream, shape, info, n, reduced, self.replicas > 1, False)
+
+    def _tangent(self, kind, one, upstream, shape, info, n, reduced, batched, shared) -> torch.Tensor:
+        sq, operands = error_weights(kind, one, info, n, reduced, (self.tp,))
+        var = U_BF16 ** 2 * sq[0]
+        if sq[1] is not None:
+            var = var + U_ACCUM ** 2 * sq[1].reshape(one.shape)
+        if self.tp > 1 and sq[2 + TP_SIZES.index(self.tp)] is not None:
+            var = var + U_BF16 ** 2 * sq[2 + TP_SIZES.index(self.tp)].reshape(one.shape)
+        std = var.sqrt()
+        noise = self._randn(shape, one)
+        if batched:  # [S, ...] against [S * K, ...]
+            std = std[:, None]
+            noise = noise.view(one.shape[0], self.replicas, *one.shape[1:])
+        if upstream is not None:  # noise * std + upstream in one pass
+            noise = torch.addcmul(upstream.reshape(noise.shape), noise, std, out=noise)
+        else:
+            noise.mul_(std)
+        noise = noise.view(shape)
+        if operands is not None:
+            self._add_weight_tangent(noise, operands, info, shared)
+        return noise
 
     def _add_weight_tangent(self, noise: torch.Tensor, operands, info, shared: bool) -> None:
         """``noise += `` the weight terms (:meth:`_weight_tangent`); a dense linear's group by group, in place (no
