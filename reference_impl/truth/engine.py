@@ -145,7 +145,8 @@ class TruthModel:
         for n, mod in m.named_modules():
             prefix = f"model.layers.{i}.{n}"
             if isinstance(mod, nn.Linear):
-                mod.register_forward_hook(instrument.linear_hook(self._kind(prefix), n.endswith(("o_proj", "down_proj"))))
+                mod._truth_store = (self._kind(prefix), n.endswith(("o_proj", "down_proj")))  # the probed MLP's
+                mod.register_forward_hook(instrument.linear_hook(*mod._truth_store))
                 if n.endswith("down_proj"):
                     mod.register_forward_pre_hook(instrument.act_pre_hook)
             elif isinstance(mod, self.classes.rms_norm):

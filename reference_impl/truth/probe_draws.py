@@ -75,14 +75,16 @@ class Probe:
         return fwAD.make_dual(primal if primal.is_contiguous() else primal.contiguous(), noise)
 
     def store_tangent(self, kind: str, one: torch.Tensor, upstream: torch.Tensor | None, info, n: int,
-                      reduced: bool = False) -> torch.Tensor:
+                      reduced: bool = False, shared: bool = False) -> torch.Tensor:
         """The tangent a store gives its replicas (``[sequences x replicas, ...]``: ``upstream`` plus its own
         draws) from each sequence's primal ``one`` (``[sequences, ...]``) and error weights ``info`` (of ``one``):
         what :meth:`perturb` gives a dual of the replicated primal, for a computation that holds the primal once
-        per sequence (the probed attention)."""
+        per sequence (the probed attention and MLP). ``shared``: a dense linear's store, ``info`` its replica-0
+        operands ``(x, W)`` (its weight term added group by group)."""
         shape = (one.shape[0] * self.replicas, *one.shape[1:])
         with torch.no_grad():
-            return self._tangent(kind, one, upstream, shape, info, n, reduced, self.replicas > 1, False)
+            return self._tangent(kind, one, upstream, shape, info, n, reduced, self.replicas > 1,
+                                 shared and self.replicas > 1)
 
     def _tangent(self, kind, one, upstream, shape, info, n, reduced, batched, shared) -> torch.Tensor:
         sq, operands = error_weights(kind, one, info, n, reduced, (self.tp,))

@@ -111,10 +111,70 @@ def _layer(truth, i: int, dtype: torch.dtype):
 def share_primal(layer: torch.nn.Module, probe: Probe) -> None:
     """Every ``nn.Linear`` of ``layer`` computes its output's primal once per sequence (replica 0's rows, copied
     to the others: the replicas' primal is one) and only the tangent per replica: the replicated primal GEMM
-    was a third of a probed pass's arithmetic. The result is what ``F.linear`` of the dual gives."""
+    was a third of a probed pass's arithmetic. The result is what ``F.linear`` of the dual gives. A dense MLP
+    ``down(silu(gate(x)) * up(x))`` runs by hand (:class:`_ProbedMLP`)."""
     for mod in layer.modules():
         if isinstance(mod, torch.nn.Linear):
             mod.forward = _SharedPrimalLinear(mod, probe)
+    mlp = getattr(layer, "mlp", None)
+    if mlp is not None and _plain_mlp(type(mlp)) and type(getattr(mlp, "act_fn", None)).__name__ in SILU:
+        mlp.forward = _ProbedMLP(mlp.gate_proj, mlp.up_proj, mlp.down_proj, probe)
+
+
+#: transformers' SiLU activation classes (ACT2FN["silu"])
+SILU = ("SiLUActivation", "SiLU")
+_PLAIN: dict[type, bool] = {}
+
+
+def _plain_mlp(cls: type) -> bool:
+    """Whether ``cls.forward`` is exactly ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (transformers' dense
+    MLPs; read from its source once per class: a changed class runs through forward_ad, not by hand)."""
+    if cls not in _PLAIN:
+        import inspect
+
+        try:
+            src = "".join(inspect.getsource(cls.forward).split())
+        except (OSError, TypeError):
+            src = ""
+        _PLAIN[cls] = "returnself.down_proj(self.act_fn(self.gate_proj(x))*self.up_proj(x))" in src or (
+            "down_proj=self.down_proj(self.act_fn(self.gate_proj(x))*self.up_proj(x))returndown_proj" in src)
+    return _PLAIN[cls]
+
+
+class _ProbedMLP:
+    """A dense MLP under probes, by hand: the primal once per sequence (gate, up, ``silu(gate) * up``, down), each
+    replica's tangent by forward-mode's rules, and the four stores the hooks would make (the linears' with their
+    weight terms, the ``act``), with the same draws in the same order
+    (:meth:`reference_impl.truth.probe_draws.Probe.store_tangent`). forward_ad would run the ``silu`` and the
+    product on a primal replicated per probe. Holds tensors, not modules (see :class:`_SharedPrimalLinear`)."""
+
+    def __init__(self, gate, up, down, probe: Probe):
+        self.linears = [(m.weight, m.bias, m._truth_store) for m in (gate, up, down)]
+        self.probe = probe
+
+    def _linear(self, i: int, x1: torch.Tensor, xt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        w, b, (kind, reduced) = self.linears[i]
+        out = torch.nn.functional.linear(x1, w, b)
+        t = _tangent_gemm(xt, w, self.probe.gemm_dtype)
+        return out, self.probe.store_tangent(kind, out, t, (x1, w), x1.shape[-1], reduced, shared=True)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        p, xt = fwAD.unpack_dual(x)
+        k = self.probe.replicas
+        if xt is None or k == 1 or p.dim() < 3 or p.shape[0] != k * self.probe.sequences:
+            raise RuntimeError("the probed MLP runs on a probed pass's replicated rows only")
+        x1 = p.detach()[::k]
+        g1, gt = self._linear(0, x1, xt)
+        u1, ut = self._linear(1, x1, xt)
+        with torch.no_grad():
+            a1 = torch.nn.functional.silu(g1)
+            h1 = a1 * u1
+            slope = torch.ops.aten.silu_backward(torch.ones_like(g1), g1)  # d silu / d g
+            s, rest = g1.shape[0], g1.shape[1:]
+            ht = (gt.view(s, k, *rest) * (slope * u1)[:, None]).addcmul_(ut.view(s, k, *rest), a1[:, None])
+            ht = self.probe.store_tangent("act", h1, ht.view(s * k, *rest), None, 0)
+        y1, yt = self._linear(2, h1, ht)
+        return fwAD.make_dual(y1.repeat_interleave(k, dim=0), yt)
 
 
 class _SharedPrimalLinear:

@@ -159,10 +159,60 @@ def test_probed_attention_missing_a_store_is_caught(dense, monkeypatch):
 
     original = Probe.store_tangent
 
-    def without_round(self, kind, one, upstream, info, n, reduced=False):
-        out = original(self, kind, one, upstream, info, n, reduced)  # its draws made (the others stay paired)
+    def without_round(self, kind, one, upstream, info, n, reduced=False, shared=False):
+        out = original(self, kind, one, upstream, info, n, reduced, shared)  # its draws made (the others stay paired)
         if kind == "round":
             return upstream.reshape(out.shape).clone()  # and dropped
         return out
     monkeypatch.setattr(Probe, "store_tangent", without_round)
     assert _by_hand_change(dense, monkeypatch) > 100 * BY_HAND_CHANGE
+
+
+def _mlp_tangents(tm: TruthModel, by_hand: bool, monkeypatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer 0's MLP on a probed batch (2 sequences x 4 replicas, seeded draws): its output's primal and tangent,
+    by hand (probe_pass._ProbedMLP) or through forward_ad and the hooks."""
+    import torch.autograd.forward_ad as fwAD
+
+    import reference_impl.truth.probe_pass as probe_pass
+    from reference_impl.truth.instrument import Recorder, recording
+    from reference_impl.truth.probe_draws import Probe
+
+    with monkeypatch.context() as m, tm.layer(0) as layer, fwAD.dual_level(), torch.no_grad():
+        if not by_hand:
+            m.setattr(probe_pass, "_plain_mlp", lambda cls: False)
+        probe = Probe(4, 5, 1, torch.Generator().manual_seed(0), sequences=2)
+        probe_pass.share_primal(layer, probe)
+        assert isinstance(layer.mlp.forward, probe_pass._ProbedMLP) == by_hand
+        g = torch.Generator().manual_seed(1)
+        x1 = torch.randn(2, 5, tm.cfg.hidden_size, generator=g, dtype=torch.float64)
+        xt = torch.randn(8, 5, tm.cfg.hidden_size, generator=g, dtype=torch.float64)
+        with recording(Recorder(tm.cfg, False, {}, 0, probe=probe)):
+            y = layer.mlp(fwAD.make_dual(x1.repeat_interleave(4, 0), xt))
+        p, t = fwAD.unpack_dual(y)
+        return p.clone(), t.clone()
+
+
+@pytest.mark.parametrize("family", ["dense-nvfp4_awq", "dense-nvfp4"])
+def test_probed_mlp_by_hand_is_forward_ads(family, monkeypatch):
+    """The dense MLP by hand (its primal once per sequence) gives forward_ad's output and tangent from the same
+    draws: fp64 products in another association, a few units of 2^-53 (1.3e-15 of a tangent of 4 measured)."""
+    tm = TruthModel(str(FIXTURES / f"{family}-a"), "cpu")
+    hp, ht = _mlp_tangents(tm, True, monkeypatch)
+    ap, at = _mlp_tangents(tm, False, monkeypatch)
+    assert torch.equal(hp, ap)
+    assert float((ht - at).abs().max()) <= 1e-12 * float(at.abs().max())
+
+
+def test_probed_mlp_missing_its_act_store_is_caught(dense, monkeypatch):
+    """Mutant: the MLP by hand without the ``silu(gate) * up`` product's rounding (its draws still made)."""
+    from reference_impl.truth.probe_draws import Probe
+
+    original = Probe.store_tangent
+
+    def without_act(self, kind, one, upstream, info, n, reduced=False, shared=False):
+        out = original(self, kind, one, upstream, info, n, reduced, shared)
+        return upstream.reshape(out.shape).clone() if kind == "act" else out
+    hp, ht = _mlp_tangents(dense, True, monkeypatch)
+    monkeypatch.setattr(Probe, "store_tangent", without_act)
+    _, mt = _mlp_tangents(dense, True, monkeypatch)
+    assert float((mt - ht).abs().max()) > 1e-6 * float(ht.abs().max())
