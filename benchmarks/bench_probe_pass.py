@@ -1,6 +1,7 @@
 """Time per judged token of the truth's probed passes (reference_impl/truth/probes.py) by precision, measured in
 the same run on the same sequences: the fp64 forward of the values alone (``values``), fp64, fp32 with BF16 tangent GEMMs (the default of ``fp32``) and with TF32
-ones, each with the decoder layers kept between passes (``keeping_layers``; the first pass, which builds them,
+ones, and with the dense MLP through forward_ad instead of by hand (``fp32-bf16-fwad-mlp``; the last column's
+baseline when fp64 is not run), each with the decoder layers kept between passes (``keeping_layers``; the first pass, which builds them,
 timed apart). Optionally the GPU time by kernel of one fp32 pass (``--profile``).
 
     python benchmarks/bench_probe_pass.py --checkpoint /tmp/m8b --device cuda --shapes 7x79,1x2047
@@ -32,6 +33,7 @@ def measure(checkpoint: str, device: str, shapes: list[tuple[int, int]], probes:
     from reference_impl.truth.golden import ExactModel
 
     model = ExactModel(checkpoint, device)
+    plain_mlp = pass_._plain_mlp
     g = torch.Generator().manual_seed(0)
     rows = []
     for n, t in shapes:
@@ -51,8 +53,10 @@ def measure(checkpoint: str, device: str, shapes: list[tuple[int, int]], probes:
                 print(rows[-1], flush=True)
                 continue
             precision, gemm = {"fp64": ("fp64", None), "fp32-bf16": ("fp32", torch.bfloat16),
-                               "fp32-tf32": ("fp32", None)}[mode]
+                               "fp32-tf32": ("fp32", None), "fp32-bf16-fwad-mlp": ("fp32", torch.bfloat16)}[mode]
             pass_.TANGENT_GEMM = gemm
+            # fwad-mlp: the dense MLP through forward_ad, not by hand (what probe_pass._ProbedMLP saves)
+            pass_._plain_mlp = (lambda cls: False) if mode.endswith("fwad-mlp") else plain_mlp
             times = []
             with P.keeping_layers(model.truth, dtype=torch.float64 if precision == "fp64" else torch.float32):
                 for _ in range(2):  # the first builds (and keeps) the layers
@@ -73,13 +77,14 @@ def measure(checkpoint: str, device: str, shapes: list[tuple[int, int]], probes:
             rows.append({"shape": f"{n}x{t}", "mode": mode, "first_s": times[0], "kept_s": times[1],
                          "ms_per_token": 1e3 * times[1] / (n * t)})
             print(rows[-1], flush=True)
-    pass_.TANGENT_GEMM = torch.bfloat16
+    pass_.TANGENT_GEMM, pass_._plain_mlp = torch.bfloat16, plain_mlp
     return rows
 
 
 def table(rows: list[dict]) -> str:
     base = {r["shape"]: r["kept_s"] for r in rows if r["mode"] == "fp64"}
-    out = ["| sequences x rows | precision | first pass s | kept s | ms per token | fp64 / this |",
+    base = base or {r["shape"]: r["kept_s"] for r in rows if r["mode"] == "fp32-bf16-fwad-mlp"}
+    out = ["| sequences x rows | precision | first pass s | kept s | ms per token | baseline / this |",
            "| --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         ratio = f"{base[r['shape']] / r['kept_s']:.1f}" if r["shape"] in base else ""
