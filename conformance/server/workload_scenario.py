@@ -18,7 +18,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from conformance.interfaces.server import DialectUnsupported, SamplingSpec
-from conformance.server.workload_judge import Coverage, Planned, WorkloadJudge, failure_message
+from conformance.server.workload_coverage import Coverage, Planned, failure_message
+from conformance.server.workload_judge import WorkloadJudge
 from conformance.server.workloads import Workload
 
 #: ExactModel per checkpoint path, kept for the session: a prompt and continuation asked again (another API,

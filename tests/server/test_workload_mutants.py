@@ -118,7 +118,7 @@ def test_workload_files_are_checked(tmp_path):
 def test_coverage_map_and_failure_message(tmp_path):
     """The coverage map's cells (passed / failed / not reached / not planned) and a failure naming its bucket,
     phase, request and position, from a hand-made coverage."""
-    from conformance.server.workload_judge import Coverage, Planned, Row, failure_message
+    from conformance.server.workload_coverage import Coverage, Planned, Row, failure_message
 
     cov = Coverage("t")
     for plan in (Planned("prefill of 9 tokens", "a", 9, 1), Planned("batch of 40", "a", 160, 40)):

@@ -15,7 +15,8 @@ import torch
 
 from conformance.interfaces.server_types import TokenGeneration
 from conformance.server.bounds import GOLDEN_LAMBDA
-from conformance.server.workload_judge import Coverage, Planned, WorkloadJudge
+from conformance.server.workload_coverage import Coverage, Planned
+from conformance.server.workload_judge import WorkloadJudge
 from reference_impl.truth.golden import ExactModel
 from reference_impl.truth.probes import (f_tail, joined_estimates, probe_lambda, screen_disagreement,
                                          screen_lambda)
