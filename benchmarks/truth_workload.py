@@ -105,6 +105,39 @@ def _projection(groups: dict, flops: dict, spent_by: dict, wall: float) -> float
     return total + wall - sum(v[0] for v in spent_by.values())
 
 
+def _measure(models: dict, groups: dict, flops: dict, probes: int, precision: str, chunk: int, budget_s: float,
+             t0: float, device: str) -> tuple[dict, int, int]:
+    """The truth of ``groups`` (:func:`_interleaved` order) with ``probes`` probes until ``budget_s`` after
+    ``t0``: per group ``[seconds, floor FLOPs done]``, the sequences and tokens done."""
+    import contextlib
+
+    from reference_impl.truth.probes import keeping_layers
+
+    spent_by: dict[tuple[str, int], list[float]] = {}
+    done, tokens, total = 0, 0, sum(len(g) for g in groups.values())
+    # fp32: each weight set's layers decoded and cast once (the fp32 copies fit a GPU)
+    keep = keeping_layers(*(m.truth for m in models.values())) if precision != "fp64" else contextlib.nullcontext()
+    with keep:
+        for key, part in _interleaved(groups, chunk):
+            if time.perf_counter() - t0 > budget_s:
+                break
+            t1 = time.perf_counter()
+            models[key[0]].teacher_forced_many([(p, c) for _, p, c in part], probes, precision=precision)
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            cell = spent_by.setdefault(key, [0.0, 0.0])
+            cell[0] += time.perf_counter() - t1
+            cell[1] += sum(flops[id(x)] for x in part)
+            done += len(part)
+            tokens += key[1] * len(part)
+            spent = time.perf_counter() - t0
+            # progress on stderr: a run stopped from outside still leaves its rate
+            print(f"[{spent:.0f} s] {done}/{total} sequences, {tokens} tokens (the last {len(part)} of "
+                  f"{key[1]}), {1e3 * spent / tokens:.1f} ms per token so far, projected "
+                  f"{_projection(groups, flops, spent_by, spent):.0f} s", file=sys.stderr, flush=True)
+    return spent_by, done, tokens
+
+
 def run(path: str, workload_name: str, device: str, budget_s: float, b_path: str | None = None,
         chunk: int = 64, precision: str = "fp64", screen: int | None = None) -> dict:
     from conformance.server.workloads import load
@@ -128,34 +161,9 @@ def run(path: str, workload_name: str, device: str, budget_s: float, b_path: str
     groups: dict[tuple[str, int], list] = {}  # sequences of one weight set and length share probed passes
     for x in all_seqs:
         groups.setdefault((x[0], len(x[1]) + len(x[2])), []).append(x)
-    import contextlib
-
-    from reference_impl.truth.probes import keeping_layers
-
     screen = workload.screen_probes if screen is None else screen
     first = screen or workload.probes  # with a screen, the probes every answer takes (a correct engine's truth)
-    spent_by: dict[tuple[str, int], list[float]] = {}  # group -> [seconds, floor FLOPs done]
-    done, tokens = 0, 0
-    # fp32: each weight set's layers decoded and cast once (the fp32 copies fit a GPU)
-    keep = keeping_layers(*(m.truth for m in models.values())) if precision != "fp64" else contextlib.nullcontext()
-    with keep:
-        for key, part in _interleaved(groups, chunk):
-            if time.perf_counter() - t0 > budget_s:
-                break
-            t1 = time.perf_counter()
-            models[key[0]].teacher_forced_many([(p, c) for _, p, c in part], first, precision=precision)
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-            cell = spent_by.setdefault(key, [0.0, 0.0])
-            cell[0] += time.perf_counter() - t1
-            cell[1] += sum(flops[id(x)] for x in part)
-            done += len(part)
-            tokens += key[1] * len(part)
-            spent = time.perf_counter() - t0
-            # progress on stderr: a run stopped from outside still leaves its rate
-            print(f"[{spent:.0f} s] {done}/{len(all_seqs)} sequences, {tokens} tokens (the last {len(part)} of "
-                  f"{key[1]}), {1e3 * spent / tokens:.1f} ms per token so far, projected "
-                  f"{_projection(groups, flops, spent_by, spent):.0f} s", file=sys.stderr, flush=True)
+    spent_by, done, tokens = _measure(models, groups, flops, first, precision, chunk, budget_s, t0, device)
     done_flops = sum(v[1] for v in spent_by.values())
     if device.startswith("cuda"):
         torch.cuda.synchronize()
