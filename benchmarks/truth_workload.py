@@ -119,7 +119,7 @@ def _measure(models: dict, groups: dict, flops: dict, probes: int, precision: st
     keep = keeping_layers(*(m.truth for m in models.values())) if precision != "fp64" else contextlib.nullcontext()
     with keep:
         for key, part in _interleaved(groups, chunk):
-            if time.perf_counter() - t0 > budget_s:
+            if done and time.perf_counter() - t0 > budget_s:  # at least one chunk, whatever opening took
                 break
             t1 = time.perf_counter()
             models[key[0]].teacher_forced_many([(p, c) for _, p, c in part], probes, precision=precision)
