@@ -117,7 +117,10 @@ def share_primal(layer: torch.nn.Module, probe: Probe) -> None:
         if isinstance(mod, torch.nn.Linear):
             mod.forward = _SharedPrimalLinear(mod, probe)
     mlp = getattr(layer, "mlp", None)
-    if mlp is not None and _plain_mlp(type(mlp)) and type(getattr(mlp, "act_fn", None)).__name__ in SILU:
+    # by hand where the rows are replicas (a pass of one replica, a long sequence's last group, has no primal to
+    # share: forward_ad and the hooks, as the attention then)
+    if (probe.replicas > 1 and mlp is not None and _plain_mlp(type(mlp))
+            and type(getattr(mlp, "act_fn", None)).__name__ in SILU):
         mlp.forward = _ProbedMLP(mlp.gate_proj, mlp.up_proj, mlp.down_proj, probe)
 
 

@@ -216,3 +216,11 @@ def test_probed_mlp_missing_its_act_store_is_caught(dense, monkeypatch):
     monkeypatch.setattr(Probe, "store_tangent", without_act)
     _, mt = _mlp_tangents(dense, True, monkeypatch)
     assert float((mt - ht).abs().max()) > 1e-6 * float(ht.abs().max())
+
+
+def test_passes_of_one_replica_run_through_forward_ad(dense):
+    """A long sequence's replicas in groups of one (rows budget = its length): the attention and MLP, by hand only
+    for replicated rows, run through forward_ad and the hooks; the estimate has all its probes."""
+    seq = list(range(1, 21))
+    probed = probes.probe_sequences(dense, [seq], [seq[1:] + [seq[0]]], 3, max_rows=len(seq))[0]
+    assert probed.probes == 3 and bool((probed.logprob_var > 0).all())
