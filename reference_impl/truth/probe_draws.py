@@ -138,10 +138,12 @@ class Probe:
         batch = torch.div(rows, self.tokens, rounding_mode="floor")  # sequence * K + replica
         seq, replica = torch.div(batch, k, rounding_mode="floor"), batch % k
         out = x.new_zeros(x.shape[0], w_abs.shape[0])
-        for lo in range(0, k, group):
+        pos = rows % self.tokens
+        rest = [s_ for s_ in seq.unique().tolist() if not self._few_rows(x, w_abs, seq == s_, replica, pos, out)]
+        for lo in range(0, k if rest else 0, group):
             hi = min(k, lo + group)
             stacked = self._randn((hi - lo, *w_abs.shape), w_abs).mul_(U_BF16 * w_abs).transpose(1, 2)  # [g, K_in, N]
-            for s_ in seq.unique().tolist():
+            for s_ in rest:
                 sel = ((seq == s_) & (replica >= lo) & (replica < hi)).nonzero()[:, 0]
                 order = sel[torch.argsort(replica[sel], stable=True)]
                 n = len(order) // (hi - lo)
@@ -157,6 +159,30 @@ class Probe:
         if w_awq is not None:
             out = out + (U_BF16 * x.abs() * self._randn(x.shape, x)) @ w_awq.T
         return out
+
+    def _few_rows(self, x, w_abs, of_seq, replica, pos, out) -> bool:
+        """One sequence's weight term from its covariance, where every replica routes the same ``n <= K`` tokens
+        here (an MoE expert most sequences reach with a few): column ``j`` of ``x (dW o G)^T`` over those rows is
+        exactly ``N(0, C_j)``, ``C_j = X diag(u^2 |W_j|^2) X^T`` (``n x n``), drawn as ``V_j sqrt(L_j) g`` from its
+        eigendecomposition: ``K N n`` normals instead of ``K N K_in`` (the whole matrix per replica). Writes
+        ``out``'s rows; False where it does not apply (the product then)."""
+        k = self.replicas
+        sel = of_seq.nonzero()[:, 0]
+        order = sel[torch.argsort(replica[sel], stable=True)]
+        n = len(order) // k
+        if not 0 < n <= k or n * k != len(order):
+            return False
+        if not bool((replica[order].view(k, n) == torch.arange(k, device=x.device)[:, None]).all()):
+            return False
+        if not bool((pos[order].view(k, n) == pos[order[:n]]).all()):  # the same tokens in every replica
+            return False
+        rows = x[order[:n]]  # replica 0's: the replicas' primal is one
+        cov = torch.einsum("tc,sc,nc->nts", rows, rows, (U_BF16 * w_abs) ** 2)  # [N, n, n]
+        lam, vec = torch.linalg.eigh(cov)
+        scale = vec * lam.clamp_min(0).sqrt()[:, None, :]  # cov = scale scale^T (rounding's negatives at 0)
+        g = self._randn((k, w_abs.shape[0], n), x)
+        out[order] = torch.einsum("nti,kni->ktn", scale, g).reshape(k * n, -1)
+        return True
 
 
 @dataclass
