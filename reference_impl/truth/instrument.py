@@ -129,10 +129,10 @@ def truth_attention(module, query, key, value, attention_mask, scaling, dropout=
     # so the values do not depend on the blocking (the softmax runs in fp32, as transformers', and its sums would
     # round otherwise over fewer keys: ~1e-7)
     trim = rec.probe is not None
+    block = _probed_attention_block if _replicated(rec, query) else _attention_block
     blocks = []
     for lo in range(0, tq, rows):
         seen = min(tk, tk - tq + lo + rows) if trim else tk
-        block = _probed_attention_block if _replicated(rec, query) else _attention_block
         blocks.append(block(rec, query[:, :, lo:lo + rows], key[:, :, :seen], value[:, :, :seen],
                             causal[lo:lo + rows, :seen], scaling, tk))
     out = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)
@@ -143,10 +143,7 @@ def _one(rec: Recorder, x: torch.Tensor) -> torch.Tensor:
     """``x``'s primal; under probes of replicated sequences, replica 0's rows only (the store's error weights are
     the same in every replica: computed once, not for each)."""
     p = primal(x)
-    k = getattr(rec.probe, "replicas", 1)
-    if k > 1 and p.shape[0] == k * rec.probe.sequences:
-        return p[::k]
-    return p
+    return p[::rec.probe.replicas] if _replicated(rec, p) else p
 
 
 def _replicated(rec: Recorder, x: torch.Tensor) -> bool:
