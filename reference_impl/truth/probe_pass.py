@@ -117,10 +117,12 @@ def share_primal(layer: torch.nn.Module, probe: Probe) -> None:
         if isinstance(mod, torch.nn.Linear):
             mod.forward = _SharedPrimalLinear(mod, probe)
     mlp = getattr(layer, "mlp", None)
+    if mlp is None:
+        return
     # by hand where the rows are replicas (a pass of one replica, a long sequence's last group, has no primal to
-    # share: forward_ad and the hooks, as the attention then)
-    if (probe.replicas > 1 and mlp is not None and _plain_mlp(type(mlp))
-            and type(getattr(mlp, "act_fn", None)).__name__ in SILU):
+    # share: forward_ad and the hooks, as the attention then); a kept layer may hold an earlier pass's
+    mlp.__dict__.pop("forward", None)
+    if probe.replicas > 1 and _plain_mlp(type(mlp)) and type(getattr(mlp, "act_fn", None)).__name__ in SILU:
         mlp.forward = _ProbedMLP(mlp.gate_proj, mlp.up_proj, mlp.down_proj, probe)
 
 

@@ -224,3 +224,7 @@ def test_passes_of_one_replica_run_through_forward_ad(dense):
     seq = list(range(1, 21))
     probed = probes.probe_sequences(dense, [seq], [seq[1:] + [seq[0]]], 3, max_rows=len(seq))[0]
     assert probed.probes == 3 and bool((probed.logprob_var > 0).all())
+    with probes.keeping_layers(dense):  # kept layers: a pass of 4 replicas, then passes of one
+        probes.probe_sequences(dense, [seq], [seq[1:] + [seq[0]]], 4, precision="fp32")
+        probed = probes.probe_sequences(dense, [seq], [seq[1:] + [seq[0]]], 3, max_rows=len(seq), precision="fp32")[0]
+    assert probed.probes == 3 and bool((probed.logprob_var > 0).all())
