@@ -148,8 +148,7 @@ def _one(rec: Recorder, x: torch.Tensor) -> torch.Tensor:
 
 def _replicated(rec: Recorder, x: torch.Tensor) -> bool:
     """Whether ``x`` is laid out ``[sequences x replicas, ...]`` for the probes (one primal per sequence)."""
-    k = getattr(rec.probe, "replicas", 1)
-    return k > 1 and x.dim() >= 3 and x.shape[0] == k * rec.probe.sequences
+    return rec.probe is not None and rec.probe.replicated(x)
 
 
 def _probed_attention_block(rec: Recorder, query, key, value, causal, scaling, keys: int):

@@ -45,6 +45,11 @@ class Probe:
         #: the dtype of the tangents' GEMMs (None: the primal's); see :data:`reference_impl.truth.probe_pass.TANGENT_GEMM`
         self.gemm_dtype: torch.dtype | None = None
 
+    def replicated(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` is laid out ``[sequences x replicas, ...]`` (sequence s, replica k at ``s * replicas +
+        k``), the replicas of a sequence sharing one primal; not so for one replica."""
+        return self.replicas > 1 and x.dim() >= 3 and x.shape[0] == self.replicas * self.sequences
+
     def _randn(self, shape, like: torch.Tensor) -> torch.Tensor:
         # float32 normals (3x faster to draw than fp64): their quantization (2^-24 relative) and Box-Muller's
         # float32 tail (|g| < 5.8) move the variance by < 1e-6 relative, nothing against the chi^2 spread
@@ -67,7 +72,7 @@ class Probe:
             # a store laid out [sequence x replica, ...] has the same primal in every replica of a sequence: its
             # error weights from replica 0 (for a dense linear the accumulation term is a GEMM as large as the
             # linear); the MoE experts' and router's rows mix sequences, replicas and tokens: all of them
-            batched = k > 1 and primal.dim() >= 3 and primal.shape[0] == rows
+            batched = self.replicated(primal)
             shared = batched and kind.startswith("linear") and len(info) == 2
             one, info = (primal[::k], _every_kth(info, k, rows)) if batched else (primal, info)
             noise = self._tangent(kind, one, upstream, primal.shape, info, n, reduced, batched, shared)

@@ -166,7 +166,7 @@ class _ProbedMLP:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         p, xt = fwAD.unpack_dual(x)
         k = self.probe.replicas
-        if xt is None or k == 1 or p.dim() < 3 or p.shape[0] != k * self.probe.sequences:
+        if xt is None or not self.probe.replicated(p):
             raise RuntimeError("the probed MLP runs on a probed pass's replicated rows only")
         x1 = p.detach()[::k]
         g1, gt = self._linear(0, x1, xt)
@@ -191,9 +191,9 @@ class _SharedPrimalLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self.weight, self.bias
         p, tangent = fwAD.unpack_dual(x)
-        k, rows = self.probe.replicas, self.probe.replicas * self.probe.sequences
-        if tangent is None or k == 1 or p.dim() < 3 or p.shape[0] != rows:
+        if tangent is None or not self.probe.replicated(p):
             return torch.nn.functional.linear(x, w, b)
+        k = self.probe.replicas
         one = torch.nn.functional.linear(p[::k], w, b)  # [S, T, N]
         primal_out = one.repeat_interleave(k, dim=0)  # sequence s, replica r at s * k + r
         return fwAD.make_dual(primal_out, _tangent_gemm(tangent, w, self.probe.gemm_dtype))
