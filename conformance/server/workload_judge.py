@@ -66,8 +66,20 @@ class WorkloadJudge:
         coverage.screen = {"probes": self.screen, "of": self.probes, "lambda": round(self.lam_screen, 4),
                            "decided": 0, "drew_the_rest": 0} if self.screen else None
 
-    def bound(self, var: float) -> float:
-        return self.lam * math.sqrt(max(float(var), 0.0))
+    def bound(self, var: float, lam: float | None = None) -> float:
+        """``LAMBDA_K sqrt(V_hat)`` (``lam``: another multiplier, the screen's)."""
+        return (self.lam if lam is None else lam) * math.sqrt(max(float(var), 0.0))
+
+    def _outside(self, tf, k: int, lp: float, prompt_len: int, lam: float | None = None) -> tuple[str, float] | None:
+        """Row ``k``'s failing check and its bound (``lam``: the multiplier, the full probes' by default), or None:
+        ``choice`` where the engine's generated token is not the reference's best and the reference's gap exceeds
+        its bound, else ``logprob`` where the engine's logprob is outside its bound."""
+        if k >= prompt_len - 1 and int(tf.best[k]) != tf.tokens[k + 1]:
+            gb = self.bound(tf.gap_var[k], lam)
+            if float(tf.gap[k]) > gb:
+                return "choice", gb
+        bd = self.bound(tf.logprob_var[k], lam)
+        return None if abs(lp - float(tf.logprob[k])) <= bd else ("logprob", bd)
 
     def prefetch(self, answers: list[TokenGeneration], plans: list[Planned]) -> None:
         """The truth of a batch of answers at once (per weight set): sequences of one length share probed passes
@@ -105,14 +117,8 @@ class WorkloadJudge:
             rows, lp_engine = self._rows(answer, "")
         except AssertionError:
             return False  # judge() reports it
-        lam, prompt_len = self.lam_screen, len(answer.prompt_ids)
-        for k, lp in zip(rows, lp_engine):
-            if not abs(lp - float(tf.logprob[k])) <= lam * math.sqrt(max(float(tf.logprob_var[k]), 0.0)):
-                return False
-            if k >= prompt_len - 1 and int(tf.best[k]) != tf.tokens[k + 1] and not (
-                    float(tf.gap[k]) <= lam * math.sqrt(max(float(tf.gap_var[k]), 0.0))):
-                return False
-        return True
+        prompt_len = len(answer.prompt_ids)
+        return all(self._outside(tf, k, lp, prompt_len, self.lam_screen) is None for k, lp in zip(rows, lp_engine))
 
     def _truth(self, model, answer: TokenGeneration):
         """The answer's truth: the screen's probes where they clear it, else all the probes (joined)."""
@@ -142,14 +148,13 @@ class WorkloadJudge:
         for k, lp in zip(rows, lp_engine):
             cell = plan.cell("prefill" if k < len(prompt) else "decode")
             ref, bd = float(tf.logprob[k]), self.bound(tf.logprob_var[k])
-            bad = None
-            if k >= len(prompt) - 1 and int(tf.best[k]) != tf.tokens[k + 1]:
-                gb = self.bound(tf.gap_var[k])
-                if float(tf.gap[k]) > gb:
-                    bad = Row(plan.request, *cell, k, "choice", lp, ref, gb,
-                              f"token {tf.tokens[k + 1]} where the reference's best {int(tf.best[k])} leads by "
-                              f"{float(tf.gap[k]):.4f} > its bound {gb:.3e}: ")
-            if bad is None and not abs(lp - ref) <= bd:
+            bad, outside = None, self._outside(tf, k, lp, len(prompt))
+            if outside and outside[0] == "choice":
+                gb = outside[1]
+                bad = Row(plan.request, *cell, k, "choice", lp, ref, gb,
+                          f"token {tf.tokens[k + 1]} where the reference's best {int(tf.best[k])} leads by "
+                          f"{float(tf.gap[k]):.4f} > its bound {gb:.3e}: ")
+            elif outside:
                 bad = Row(plan.request, *cell, k, "logprob", lp, ref, bd)
             judged.append((k, cell, lp, ref, bd, bad))
             if bad:
