@@ -181,8 +181,8 @@ def load(spec: str) -> Workload:
     if unknown:
         raise ValueError(f"--workload {spec}: unknown fields {unknown}; known: {sorted(known)}")
     data.setdefault("name", path.stem)
+    # the fields without a default (both are MISSING): seed, notes, probes, screen_probes may be left out
     missing = sorted(f.name for f in fields(Workload) if f.name not in data and f.default is f.default_factory)
-    missing = [m for m in missing if m not in ("seed", "notes", "probes", "screen_probes")]
     if missing:
         raise ValueError(f"--workload {spec}: missing fields {missing}")
     try:
