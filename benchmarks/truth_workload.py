@@ -195,22 +195,16 @@ def layer_bytes(path: str) -> tuple[int, dict[int, int]]:
     """The checkpoint's bytes outside its decoder layers and per layer index (from the safetensors headers)."""
     import re
 
-    from safetensors import safe_open
+    from reference_impl.truth.weights import CheckpointFiles
 
     other, per = 0, {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        with safe_open(str(f), "pt") as fh:
-            for name in fh.keys():
-                sl = fh.get_slice(name)
-                n = 1
-                for d in sl.get_shape():
-                    n *= d
-                size = n * {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "U8": 1, "I8": 1, "F8_E4M3": 1}[sl.get_dtype()]
-                m = re.search(r"layers\.(\d+)\.", name)
-                if m:
-                    per[int(m.group(1))] = per.get(int(m.group(1)), 0) + size
-                else:
-                    other += size
+    for name, t in CheckpointFiles(path).lazy().items():
+        size = t.numel() * t.dtype.itemsize
+        m = re.search(r"layers\.(\d+)\.", name)
+        if m:
+            per[int(m.group(1))] = per.get(int(m.group(1)), 0) + size
+        else:
+            other += size
     return other, per
 
 
