@@ -26,6 +26,30 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _twice(device: str, run) -> list[float]:
+    """The wall times of two calls of ``run`` (the device synchronised around each)."""
+    times = []
+    for _ in range(2):
+        _sync(device)
+        t0 = time.perf_counter()
+        run()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _profile(device: str, run) -> None:
+    """The time by kernel (CUDA) or operator (CPU) of one call of ``run``."""
+    from torch.profiler import ProfilerActivity, profile as prof
+
+    acts = [ProfilerActivity.CUDA] if device.startswith("cuda") else [ProfilerActivity.CPU]
+    with prof(activities=acts) as p:
+        run()
+        _sync(device)
+    key = "cuda_time_total" if device.startswith("cuda") else "cpu_time_total"
+    print(p.key_averages().table(sort_by=key, row_limit=20, max_name_column_width=60))
+
+
 def measure(checkpoint: str, device: str, shapes: list[tuple[int, int]], probes: int, modes: list[str],
             profile: bool = False) -> list[dict]:
     import reference_impl.truth.probe_pass as pass_
@@ -41,39 +65,20 @@ def measure(checkpoint: str, device: str, shapes: list[tuple[int, int]], probes:
         targets = [s[1:] + [s[0]] for s in seqs]
         for mode in modes:
             if mode == "values":  # the fp64 forward an fp32 pass takes its values from, alone
-                times = []
-                for _ in range(2):
-                    _sync(device)
-                    t0 = time.perf_counter()
-                    pass_.values_fp64(model.truth, seqs, targets)
-                    _sync(device)
-                    times.append(time.perf_counter() - t0)
-                rows.append({"shape": f"{n}x{t}", "mode": mode, "first_s": times[0], "kept_s": times[1],
-                             "ms_per_token": 1e3 * times[1] / (n * t)})
-                print(rows[-1], flush=True)
-                continue
-            precision, gemm = {"fp64": ("fp64", None), "fp32-bf16": ("fp32", torch.bfloat16),
-                               "fp32-tf32": ("fp32", None), "fp32-bf16-fwad-mlp": ("fp32", torch.bfloat16)}[mode]
-            pass_.TANGENT_GEMM = gemm
-            # fwad-mlp: the dense MLP through forward_ad, not by hand (what probe_pass._ProbedMLP saves)
-            pass_._plain_mlp = (lambda cls: False) if mode.endswith("fwad-mlp") else plain_mlp
-            times = []
-            with P.keeping_layers(model.truth, dtype=torch.float64 if precision == "fp64" else torch.float32):
-                for _ in range(2):  # the first builds (and keeps) the layers
-                    _sync(device)
-                    t0 = time.perf_counter()
-                    P.probe_sequences(model.truth, seqs, targets, probes, precision=precision)
-                    _sync(device)
-                    times.append(time.perf_counter() - t0)
-                if profile and mode == "fp32-bf16":
-                    from torch.profiler import ProfilerActivity, profile as prof
-
-                    acts = [ProfilerActivity.CUDA] if device.startswith("cuda") else [ProfilerActivity.CPU]
-                    with prof(activities=acts) as p:
-                        P.probe_sequences(model.truth, seqs, targets, probes, precision=precision)
-                        _sync(device)
-                    key = "cuda_time_total" if device.startswith("cuda") else "cpu_time_total"
-                    print(p.key_averages().table(sort_by=key, row_limit=20, max_name_column_width=60))
+                times = _twice(device, lambda: pass_.values_fp64(model.truth, seqs, targets))
+            else:
+                precision, gemm = {"fp64": ("fp64", None), "fp32-bf16": ("fp32", torch.bfloat16),
+                                   "fp32-tf32": ("fp32", None), "fp32-bf16-fwad-mlp": ("fp32", torch.bfloat16)}[mode]
+                pass_.TANGENT_GEMM = gemm
+                # fwad-mlp: the dense MLP through forward_ad, not by hand (what probe_pass._ProbedMLP saves)
+                pass_._plain_mlp = (lambda cls: False) if mode.endswith("fwad-mlp") else plain_mlp
+                with P.keeping_layers(model.truth, dtype=torch.float64 if precision == "fp64" else torch.float32):
+                    # the first builds (and keeps) the layers
+                    times = _twice(device, lambda: P.probe_sequences(model.truth, seqs, targets, probes,
+                                                                     precision=precision))
+                    if profile and mode == "fp32-bf16":
+                        _profile(device, lambda: P.probe_sequences(model.truth, seqs, targets, probes,
+                                                                   precision=precision))
             rows.append({"shape": f"{n}x{t}", "mode": mode, "first_s": times[0], "kept_s": times[1],
                          "ms_per_token": 1e3 * times[1] / (n * t)})
             print(rows[-1], flush=True)
