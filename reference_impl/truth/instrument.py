@@ -139,13 +139,6 @@ def truth_attention(module, query, key, value, attention_mask, scaling, dropout=
     return out.transpose(1, 2).contiguous(), None
 
 
-def _one(rec: Recorder, x: torch.Tensor) -> torch.Tensor:
-    """``x``'s primal; under probes of replicated sequences, replica 0's rows only (the store's error weights are
-    the same in every replica: computed once, not for each)."""
-    p = primal(x)
-    return p[::rec.probe.replicas] if _replicated(rec, p) else p
-
-
 def _replicated(rec: Recorder, x: torch.Tensor) -> bool:
     """Whether ``x`` is laid out ``[sequences x replicas, ...]`` for the probes (one primal per sequence)."""
     return rec.probe is not None and rec.probe.replicated(x)
@@ -185,7 +178,7 @@ def _probed_attention_block(rec: Recorder, query, key, value, causal, scaling, k
 def _attention_block(rec: Recorder, query, key, value, causal, scaling, keys: int):
     # ``keys``: the sequence's keys, the length of the output's dot products in the rounding model whatever block
     scores = rec.store(torch.matmul(query, key.transpose(2, 3)) * scaling, "dot",
-                       lambda: torch.matmul(_one(rec, query).abs(), _one(rec, key).abs().transpose(2, 3)) * scaling,
+                       lambda: torch.matmul(primal(query).abs(), primal(key).abs().transpose(2, 3)) * scaling,
                        query.shape[-1])
     scores = scores.masked_fill(~causal, float("-inf"))
     probs = rec.store(F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype), "round")
