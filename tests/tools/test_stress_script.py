@@ -135,8 +135,10 @@ def test_non_strict_flip_in_real_runs_is_not_a_flake_but_a_plain_one_is(stress, 
                      "def test_plain():\n    assert not FLAG.exists(), 'broken'\n")
     (tmp_path / "exp.toml").write_text('[[xfail]]\nid = "test_planted.py::test_batch"\nreason = "r"\n'
                                        'match = "not batch invariant"\nstrict = false\nwhy_not_strict = "scheduling"\n')
-    args = [str(tmp_path / "test_planted.py"), "-p", "no:randomly", "-o", "junit_family=xunit1",
-            "--expectations", str(tmp_path / "exp.toml")]
+    # rootdir = tmp_path: the entry's id is relative to it wherever the checkout lies (from the repository's
+    # rootdir a test outside it gets a node id that depends on where the two directories are, e.g. under one /tmp)
+    args = [str(tmp_path / "test_planted.py"), "--rootdir", str(tmp_path), "-p", "no:randomly",
+            "-o", "junit_family=xunit1", "--expectations", str(tmp_path / "exp.toml")]
     passing = stress.run_pytest("vllm 1", args, tmp_path)
     (tmp_path / "fail.flag").write_text("")
     failing = stress.run_pytest("vllm 2", args, tmp_path)
