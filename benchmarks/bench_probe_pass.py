@@ -38,20 +38,25 @@ def _twice(device: str, run) -> list[float]:
     return times
 
 
-def _profile(device: str, run) -> None:
-    """The time by kernel (CUDA) or operator (CPU) of one call of ``run``."""
+def _profile(device: str, run, rows: int = 20) -> None:
+    """The time by kernel (CUDA) or operator (CPU) of one call of ``run``; on CUDA also by operator and input
+    shapes (which operation launched the time: casts, draws, products)."""
     from torch.profiler import ProfilerActivity, profile as prof
 
-    acts = [ProfilerActivity.CUDA] if device.startswith("cuda") else [ProfilerActivity.CPU]
-    with prof(activities=acts) as p:
+    cuda = device.startswith("cuda")
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with prof(activities=acts, record_shapes=cuda) as p:
         run()
         _sync(device)
-    key = "cuda_time_total" if device.startswith("cuda") else "cpu_time_total"
-    print(p.key_averages().table(sort_by=key, row_limit=20, max_name_column_width=60))
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    print(p.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=90))
+    if cuda:
+        print(p.key_averages(group_by_input_shape=True).table(sort_by="cuda_time_total", row_limit=2 * rows,
+                                                               max_name_column_width=40, max_shapes_column_width=90))
 
 
 def measure(checkpoint: str, device: str, shapes: list[tuple[int, int]], probes: int, modes: list[str],
-            profile: bool = False) -> list[dict]:
+            profile: int = 0, max_rows: int | None = None) -> list[dict]:
     import reference_impl.truth.probe_pass as pass_
     import reference_impl.truth.probes as P
     from reference_impl.truth.golden import ExactModel
@@ -72,15 +77,18 @@ def measure(checkpoint: str, device: str, shapes: list[tuple[int, int]], probes:
                 pass_.TANGENT_GEMM = gemm
                 # fwad-mlp: the dense MLP through forward_ad, not by hand (what probe_pass._ProbedMLP saves)
                 pass_._plain_mlp = (lambda cls: False) if mode.endswith("fwad-mlp") else plain_mlp
+                if device.startswith("cuda"):
+                    torch.cuda.reset_peak_memory_stats()
                 with P.keeping_layers(model.truth, dtype=torch.float64 if precision == "fp64" else torch.float32):
                     # the first builds (and keeps) the layers
                     times = _twice(device, lambda: P.probe_sequences(model.truth, seqs, targets, probes,
-                                                                     precision=precision))
+                                                                     precision=precision, max_rows=max_rows))
                     if profile and mode == "fp32-bf16":
                         _profile(device, lambda: P.probe_sequences(model.truth, seqs, targets, probes,
-                                                                   precision=precision))
+                                                                   precision=precision, max_rows=max_rows), profile)
+            peak = torch.cuda.max_memory_allocated() / 2 ** 30 if device.startswith("cuda") else float("nan")
             rows.append({"shape": f"{n}x{t}", "mode": mode, "first_s": times[0], "kept_s": times[1],
-                         "ms_per_token": 1e3 * times[1] / (n * t)})
+                         "ms_per_token": 1e3 * times[1] / (n * t), "peak_gib": peak})
             print(rows[-1], flush=True)
     pass_.TANGENT_GEMM, pass_._plain_mlp = torch.bfloat16, plain_mlp
     return rows
@@ -89,12 +97,12 @@ def measure(checkpoint: str, device: str, shapes: list[tuple[int, int]], probes:
 def table(rows: list[dict]) -> str:
     base = {r["shape"]: r["kept_s"] for r in rows if r["mode"] == "fp64"}
     base = base or {r["shape"]: r["kept_s"] for r in rows if r["mode"] == "fp32-bf16-fwad-mlp"}
-    out = ["| sequences x rows | precision | first pass s | kept s | ms per token | baseline / this |",
-           "| --- | --- | --- | --- | --- | --- |"]
+    out = ["| sequences x rows | precision | first pass s | kept s | ms per token | peak GiB | baseline / this |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         ratio = f"{base[r['shape']] / r['kept_s']:.1f}" if r["shape"] in base else ""
         out.append(f"| {r['shape']} | {r['mode']} | {r['first_s']:.1f} | {r['kept_s']:.1f} | "
-                   f"{r['ms_per_token']:.1f} | {ratio} |")
+                   f"{r['ms_per_token']:.1f} | {r.get('peak_gib', float('nan')):.1f} | {ratio} |")
     return "\n".join(out)
 
 
@@ -105,7 +113,10 @@ def main() -> None:
     ap.add_argument("--shapes", default="7x79,1x2047")
     ap.add_argument("--probes", type=int, default=64)
     ap.add_argument("--modes", default="fp64,fp32-bf16,fp32-tf32")
-    ap.add_argument("--profile", action="store_true", help="also the time by kernel of one fp32-bf16 pass")
+    ap.add_argument("--profile", type=int, nargs="?", const=20, default=0, metavar="ROWS",
+                    help="also the time by kernel (and on CUDA by operator and shapes) of one fp32-bf16 pass")
+    ap.add_argument("--max-rows", type=int, default=None,
+                    help="rows of one probed pass at most (default: reference_impl.truth.probes.rows_budget)")
     a = ap.parse_args()
     from reference_impl.truth.engine import default_device
 
@@ -115,7 +126,7 @@ def main() -> None:
         a.checkpoint = str(ensure_checkpoints() / "dense-nvfp4_awq-a")
     device = a.device or default_device()
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",") if s]
-    rows = measure(a.checkpoint, device, shapes, a.probes, a.modes.split(","), a.profile)
+    rows = measure(a.checkpoint, device, shapes, a.probes, a.modes.split(","), a.profile, a.max_rows)
     print(f"\n{a.checkpoint} on {device}, {a.probes} probes")
     print(table(rows))
 

@@ -161,7 +161,7 @@ def test_probed_attention_missing_a_store_is_caught(dense, monkeypatch):
 
     def without_round(self, kind, one, upstream, info, n, reduced=False, shared=False):
         out = original(self, kind, one, upstream, info, n, reduced, shared)  # its draws made (the others stay paired)
-        if kind == "round":
+        if kind == "round" and upstream is not None:  # the probabilities' (the rotary tables' have no upstream)
             return upstream.reshape(out.shape).clone()  # and dropped
         return out
     monkeypatch.setattr(Probe, "store_tangent", without_round)
@@ -228,3 +228,51 @@ def test_passes_of_one_replica_run_through_forward_ad(dense):
         probes.probe_sequences(dense, [seq], [seq[1:] + [seq[0]]], 4, precision="fp32")
         probed = probes.probe_sequences(dense, [seq], [seq[1:] + [seq[0]]], 3, max_rows=len(seq), precision="fp32")[0]
     assert probed.probes == 3 and bool((probed.logprob_var > 0).all())
+
+
+def test_probed_rotary_with_a_wrong_rotation_is_caught(dense, monkeypatch):
+    """Mutant: the rotary embedding by hand rotating its tangents the wrong way (``rotate_half``'s sign flipped:
+    the primal, from transformers' code, stays right)."""
+    def flipped(out, x, cos, sin):
+        h = x.shape[-1] // 2
+        lo, hi = out[..., :h], out[..., h:]
+        lo.addcmul_(x[..., :h], cos[..., :h]).addcmul_(x[..., h:], sin[..., :h])
+        hi.addcmul_(x[..., h:], cos[..., h:]).addcmul_(x[..., :h], sin[..., h:], value=-1)
+    monkeypatch.setattr(instrument, "_add_rotated", flipped)
+    assert _by_hand_change(dense, monkeypatch) > 100 * BY_HAND_CHANGE
+
+
+def _rotary_pair(interleave: bool, by_hand: bool, monkeypatch) -> list[torch.Tensor]:
+    """q and k through the rotary wrapper under probes (2 sequences x 4 replicas, seeded draws): primal and tangent
+    of each, by hand or through forward_ad."""
+    import torch.autograd.forward_ad as fwAD
+
+    from reference_impl.truth.instrument import Recorder, recording, rope_wrapper
+    from reference_impl.truth.probe_draws import Probe
+
+    s, k, t, d = 2, 4, 5, 8
+    g = torch.Generator().manual_seed(2)
+    q1, k1 = (torch.randn(s, h, t, d, generator=g, dtype=torch.float64) for h in (3, 1))
+    qt, kt = (torch.randn(s * k, h, t, d, generator=g, dtype=torch.float64) for h in (3, 1))
+    cos, sin = (torch.randn(1, t, d, generator=g, dtype=torch.float64) for _ in range(2))
+    probe = Probe(k, t, 1, torch.Generator().manual_seed(0), sequences=s)
+    with monkeypatch.context() as m, fwAD.dual_level(), torch.no_grad():
+        if not by_hand:
+            m.setattr(instrument, "_replicated", lambda rec, x: False)
+        with recording(Recorder(None, False, probe=probe)):
+            out = rope_wrapper(lambda *a: None, interleave)(fwAD.make_dual(q1.repeat_interleave(k, 0), qt),
+                                                             fwAD.make_dual(k1.repeat_interleave(k, 0), kt), cos, sin)
+        return [x.clone() for y in out for x in fwAD.unpack_dual(y)[:2]]
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+def test_probed_rotary_by_hand_is_forward_ads(interleave, monkeypatch):
+    """The rotary embedding by hand (its primal once per sequence) gives forward_ad's primal (bit for bit: the same
+    code) and tangent (fp64 products in another order: a few units of 2^-53) from the same draws; both layouts
+    (DeepSeek's interleaved one too)."""
+    hand, auto = _rotary_pair(interleave, True, monkeypatch), _rotary_pair(interleave, False, monkeypatch)
+    for i, (a, b) in enumerate(zip(hand, auto)):
+        if i % 2 == 0:
+            assert torch.equal(a, b)
+        else:
+            assert float((a - b).abs().max()) <= 1e-12 * float(b.abs().max())
