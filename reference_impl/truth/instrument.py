@@ -161,8 +161,11 @@ def _probed_attention_block(rec: Recorder, query, key, value, causal, scaling, k
     with torch.no_grad():
         k1t = k1.transpose(2, 3)
         scores = torch.matmul(q1, k1t) * scaling
-        st = torch.matmul(each(qt) * scaling, k1t[:, None])
-        st += torch.matmul((q1 * scaling)[:, None], each(kt).transpose(-1, -2))
+        st = torch.matmul(each(qt) * scaling, k1t[:, None])  # [S, K, H, Tq, Tk]
+        # + q1 kt^T accumulated in place (no second T^2 temporary); the T x d operands laid out per (S, K, H)
+        s_, h_, tq, d_ = q1.shape
+        q_each = (q1 * scaling)[:, None].expand(s_, k, h_, tq, d_).reshape(-1, tq, d_)
+        st.view(-1, *st.shape[-2:]).baddbmm_(q_each, each(kt).transpose(-1, -2).reshape(-1, d_, kt.shape[-2]))
         st = each(probe.store_tangent("dot", scores, st, torch.matmul(q1.abs(), k1t.abs()) * scaling,
                                       query.shape[-1]))
         p = F.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1, dtype=torch.float32).to(query.dtype)

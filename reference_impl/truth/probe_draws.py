@@ -9,7 +9,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 
 from reference_impl.truth import instrument
-from reference_impl.truth.stores import TP_SIZES, U_ACCUM, U_BF16, covering_tp, error_weights
+from reference_impl.truth.stores import TP_SIZES, U_BF16, covering_tp, store_std
 
 #: weight-rounding draws made at once (fp64 elements: 2 GiB): a large model's replicas are drawn in groups
 WEIGHT_DRAW_ELEMENTS = 1 << 28
@@ -92,13 +92,7 @@ class Probe:
                                  shared and self.replicas > 1)
 
     def _tangent(self, kind, one, upstream, shape, info, n, reduced, batched, shared) -> torch.Tensor:
-        sq, operands = error_weights(kind, one, info, n, reduced, (self.tp,))
-        var = U_BF16 ** 2 * sq[0]
-        if sq[1] is not None:
-            var = var + U_ACCUM ** 2 * sq[1].reshape(one.shape)
-        if self.tp > 1 and sq[2 + TP_SIZES.index(self.tp)] is not None:
-            var = var + U_BF16 ** 2 * sq[2 + TP_SIZES.index(self.tp)].reshape(one.shape)
-        std = var.sqrt()
+        std, operands = store_std(kind, one, info, n, reduced, self.tp)
         noise = self._randn(shape, one)
         if batched:  # [S, ...] against [S * K, ...]
             std = std[:, None]

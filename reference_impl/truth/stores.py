@@ -99,6 +99,40 @@ def error_weights(kind: str, value: torch.Tensor, info, n: int, reduced: bool, t
     return [bf16, accum] + (tp_sq or [None] * len(TP_SIZES)), weight_operands
 
 
+def store_std(kind: str, value: torch.Tensor, info, n: int, reduced: bool, tp: int = 1):
+    """``(std, weight_operands)`` of one store for the probes: the per-element standard deviation of its BF16,
+    accumulation and (at ``tp`` > 1) partial-sum roundings, ``sqrt(U_BF16^2 sq[0] + U_ACCUM^2 sq[1] + ...)`` of
+    :func:`error_weights`, in fewer passes over the tensor (``hypot`` of the two magnitudes, no squares kept);
+    the weight operands as there. A store with a TP term, and the MoE ``combine``, through ``error_weights``."""
+    tp_term = tp > 1 and (kind == "combine" or (reduced and kind.startswith("linear")))
+    if tp_term or kind == "combine":
+        sq, operands = error_weights(kind, value, info, n, reduced, (tp,) if tp > 1 else ())
+        var = U_BF16 ** 2 * sq[0]
+        if sq[1] is not None:
+            var = var + U_ACCUM ** 2 * sq[1].reshape(value.shape)
+        if tp > 1 and sq[2 + TP_SIZES.index(tp)] is not None:
+            var = var + U_BF16 ** 2 * sq[2 + TP_SIZES.index(tp)].reshape(value.shape)
+        return var.sqrt(), operands
+    v = value.detach()
+    if kind == "round":
+        return v.abs().mul_(U_BF16), None
+    if kind in ("act", "norm"):  # two roundings of |v|
+        return v.abs().mul_(U_BF16 * 2 ** 0.5), None
+    if kind == "sum":
+        return torch.hypot(v, info).mul_(U_BF16), None
+    operands = None
+    if kind.startswith("linear"):
+        x, w = info[0].detach(), info[1].detach()
+        x = x.reshape(-1, x.shape[-1])
+        w_abs = w.abs()
+        info = (x.abs() @ w_abs.T).reshape(value.shape)
+        if kind != "linear_exact":
+            operands = (x, w_abs, w if kind == "linear_awq" else None)
+    elif kind not in ("dot", "router"):
+        raise ValueError(f"unknown store kind {kind!r}")
+    return torch.hypot(v * U_BF16, info * (U_ACCUM * (n + 2))), operands
+
+
 def weight_term(a: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``[F]``: ``sum_{n,k} (w_nk sum_t a_ftn x_tk)^2`` for ``a [F, T, N]``, ``x [T, K]``, ``w [N, K]`` (all >= 0):
     the weight rounding's variance, one variable per weight element shared by the T tokens. Never builds

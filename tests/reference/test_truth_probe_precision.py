@@ -276,3 +276,41 @@ def test_probed_rotary_by_hand_is_forward_ads(interleave, monkeypatch):
             assert torch.equal(a, b)
         else:
             assert float((a - b).abs().max()) <= 1e-12 * float(b.abs().max())
+
+
+def _std_from_squares(kind, value, info, n, reduced, tp):
+    from reference_impl.truth.stores import TP_SIZES, U_ACCUM, U_BF16, error_weights
+
+    sq, operands = error_weights(kind, value, info, n, reduced, (tp,) if tp > 1 else ())
+    var = U_BF16 ** 2 * sq[0]
+    if sq[1] is not None:
+        var = var + U_ACCUM ** 2 * sq[1].reshape(value.shape)
+    if tp > 1 and sq[2 + TP_SIZES.index(tp)] is not None:
+        var = var + U_BF16 ** 2 * sq[2 + TP_SIZES.index(tp)].reshape(value.shape)
+    return var.sqrt(), operands
+
+
+@pytest.mark.parametrize("tp", [1, 2, 8])
+@pytest.mark.parametrize("kind", ["round", "act", "norm", "sum", "dot", "router", "linear", "linear_awq",
+                                  "linear_exact", "combine"])
+def test_store_std_is_the_rounding_models(kind, tp):
+    """The probes' per-store standard deviation (``stores.store_std``: ``hypot`` of the magnitudes, no squares)
+    equals ``sqrt`` of :func:`error_weights`' weighted squares (the model the exact analysis uses) to fp64
+    rounding, row-parallel linears and the MoE combine at TPn included; the weight operands are the same."""
+    from reference_impl.truth.stores import store_std
+
+    g = torch.Generator().manual_seed(5)
+    value = torch.randn(2, 3, 8, generator=g, dtype=torch.float64)
+    if kind.startswith("linear"):
+        info = (torch.randn(2, 3, 16, generator=g, dtype=torch.float64), torch.randn(8, 16, generator=g, dtype=torch.float64))
+    elif kind == "combine":
+        info = torch.rand(2, 2, 3, 8, generator=g, dtype=torch.float64)
+    else:
+        info = torch.rand(2, 3, 8, generator=g, dtype=torch.float64)
+    for reduced in (False, True):
+        got, ops = store_std(kind, value, info, 16, reduced, tp)
+        want, want_ops = _std_from_squares(kind, value, info, 16, reduced, tp)
+        assert torch.allclose(got, want, rtol=1e-14, atol=0)
+        assert (ops is None) == (want_ops is None)
+        if ops is not None:
+            assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(ops, want_ops))

@@ -103,8 +103,8 @@ def test_a_probe_missing_one_rounding_term_is_caught(monkeypatch):
     import reference_impl.truth.probe_draws as draws
 
     monkeypatch.setattr(stores, "WEIGHT_TERM_SIGNED", True)
-    original = draws.error_weights
-    monkeypatch.setattr(draws, "error_weights", lambda *a, **k: (original(*a, **k)[0], None))
+    original = draws.store_std
+    monkeypatch.setattr(draws, "store_std", lambda *a, **k: (original(*a, **k)[0], None))
     rows, _ = _mean_ratios("dense-nvfp4", 1, 64, 12)
     assert ((rows - 1).abs() > ALLOWED_SD * math.sqrt(2 / (64 * 12))).any(), rows.tolist()
 
