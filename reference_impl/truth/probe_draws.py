@@ -80,25 +80,28 @@ class Probe:
         return fwAD.make_dual(primal if primal.is_contiguous() else primal.contiguous(), noise)
 
     def store_tangent(self, kind: str, one: torch.Tensor, upstream: torch.Tensor | None, info, n: int,
-                      reduced: bool = False, shared: bool = False) -> torch.Tensor:
+                      reduced: bool = False, shared: bool = False, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The tangent a store gives its replicas (``[sequences x replicas, ...]``: ``upstream`` plus its own
         draws) from each sequence's primal ``one`` (``[sequences, ...]``) and error weights ``info`` (of ``one``):
         what :meth:`perturb` gives a dual of the replicated primal, for a computation that holds the primal once
         per sequence (the probed attention and MLP). ``shared``: a dense linear's store, ``info`` its replica-0
-        operands ``(x, W)`` (its weight term added group by group)."""
+        operands ``(x, W)`` (its weight term added group by group). ``upstream`` may be in a lower precision than
+        ``one`` (a BF16 GEMM's output: promoted as it is read). ``dtype``: the tangent's, where its only reader
+        casts it (a store without a weight term; default ``one``'s): rounded once as it is written."""
         shape = (one.shape[0] * self.replicas, *one.shape[1:])
         with torch.no_grad():
             return self._tangent(kind, one, upstream, shape, info, n, reduced, self.replicas > 1,
-                                 shared and self.replicas > 1)
+                                 shared and self.replicas > 1, dtype)
 
-    def _tangent(self, kind, one, upstream, shape, info, n, reduced, batched, shared) -> torch.Tensor:
+    def _tangent(self, kind, one, upstream, shape, info, n, reduced, batched, shared, dtype=None) -> torch.Tensor:
         std, operands = store_std(kind, one, info, n, reduced, self.tp)
         noise = self._randn(shape, one)
         if batched:  # [S, ...] against [S * K, ...]
             std = std[:, None]
             noise = noise.view(one.shape[0], self.replicas, *one.shape[1:])
         if upstream is not None:  # noise * std + upstream in one pass
-            noise = torch.addcmul(upstream.reshape(noise.shape), noise, std, out=noise)
+            out = noise if dtype in (None, noise.dtype) else torch.empty(noise.shape, dtype=dtype, device=noise.device)
+            noise = torch.addcmul(upstream.reshape(noise.shape), noise, std, out=out)
         else:
             noise.mul_(std)
         noise = noise.view(shape)

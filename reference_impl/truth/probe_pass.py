@@ -160,7 +160,7 @@ class _ProbedMLP:
     def _linear(self, i: int, x1: torch.Tensor, xt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         w, b, (kind, reduced) = self.linears[i]
         out = torch.nn.functional.linear(x1, w, b)
-        t = _tangent_gemm(xt, w, self.probe.gemm_dtype)
+        t = _tangent_gemm(xt, w, self.probe.gemm_dtype, cast_back=False)  # the store reads it as it is
         return out, self.probe.store_tangent(kind, out, t, (x1, w), x1.shape[-1], reduced, shared=True)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -177,7 +177,8 @@ class _ProbedMLP:
             slope = torch.ops.aten.silu_backward(torch.ones_like(g1), g1)  # d silu / d g
             s, rest = g1.shape[0], g1.shape[1:]
             ht = (gt.view(s, k, *rest) * (slope * u1)[:, None]).addcmul_(ut.view(s, k, *rest), a1[:, None])
-            ht = self.probe.store_tangent("act", h1, ht.view(s * k, *rest), None, 0)
+            # its only reader is the down GEMM: written in that GEMM's dtype (the same rounding, one pass fewer)
+            ht = self.probe.store_tangent("act", h1, ht.view(s * k, *rest), None, 0, dtype=self.probe.gemm_dtype)
         y1, yt = self._linear(2, h1, ht)
         return fwAD.make_dual(y1.repeat_interleave(k, dim=0), yt)
 
@@ -199,11 +200,14 @@ class _SharedPrimalLinear:
         return fwAD.make_dual(primal_out, _tangent_gemm(tangent, w, self.probe.gemm_dtype))
 
 
-def _tangent_gemm(tangent: torch.Tensor, w: torch.Tensor, low: torch.dtype | None) -> torch.Tensor:
-    """``tangent @ w.T`` in the tangent's dtype, or in ``low`` (fp32 accumulation) and back."""
-    if low is None or low == tangent.dtype:
+def _tangent_gemm(tangent: torch.Tensor, w: torch.Tensor, low: torch.dtype | None,
+                  cast_back: bool = True) -> torch.Tensor:
+    """``tangent @ w.T`` in the tangent's dtype, or in ``low`` (fp32 accumulation) and back to the primal's
+    (``cast_back``; else left in ``low``)."""
+    if low is None:
         return torch.nn.functional.linear(tangent, w)
-    return torch.nn.functional.linear(tangent.to(low), w.to(low)).to(tangent.dtype)
+    out = torch.nn.functional.linear(tangent.to(low), w.to(low))
+    return out.to(w.dtype) if cast_back else out
 
 
 def values_fp64(truth, seqs: list[list[int]], targets: list[list[int]]) -> list[tuple]:
