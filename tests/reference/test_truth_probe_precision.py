@@ -159,8 +159,8 @@ def test_probed_attention_missing_a_store_is_caught(dense, monkeypatch):
 
     original = Probe.store_tangent
 
-    def without_round(self, kind, one, upstream, info, n, reduced=False, shared=False):
-        out = original(self, kind, one, upstream, info, n, reduced, shared)  # its draws made (the others stay paired)
+    def without_round(self, kind, one, upstream, info, n, reduced=False, shared=False, dtype=None):
+        out = original(self, kind, one, upstream, info, n, reduced, shared, dtype)  # its draws made (the others stay paired)
         if kind == "round" and upstream is not None:  # the probabilities' (the rotary tables' have no upstream)
             return upstream.reshape(out.shape).clone()  # and dropped
         return out
@@ -209,8 +209,8 @@ def test_probed_mlp_missing_its_act_store_is_caught(dense, monkeypatch):
 
     original = Probe.store_tangent
 
-    def without_act(self, kind, one, upstream, info, n, reduced=False, shared=False):
-        out = original(self, kind, one, upstream, info, n, reduced, shared)
+    def without_act(self, kind, one, upstream, info, n, reduced=False, shared=False, dtype=None):
+        out = original(self, kind, one, upstream, info, n, reduced, shared, dtype)
         return upstream.reshape(out.shape).clone() if kind == "act" else out
     hp, ht = _mlp_tangents(dense, True, monkeypatch)
     monkeypatch.setattr(Probe, "store_tangent", without_act)
