@@ -29,6 +29,8 @@ import torch.nn.functional as F
 
 from reference_impl.model.architectures import ModelConfig
 from reference_impl.moe.routing import allowed_by_groups, group_scores
+from reference_impl.truth import by_hand
+from reference_impl.truth.by_hand import primal, rotate as _rotate
 from reference_impl.truth.stores import Store
 
 NAME = "nvfp4_truth"
@@ -99,16 +101,6 @@ def active() -> Recorder | None:
 
 
 # ----------------------------------------------------------------------------------------- attention
-def primal(t):
-    """``t`` (a tensor, or a tuple or list of them) without forward-mode tangents, detached: a store's magnitudes
-    need none (under probes that halves their cost)."""
-    if isinstance(t, torch.Tensor):
-        return torch.autograd.forward_ad.unpack_dual(t).primal.detach()
-    if isinstance(t, (tuple, list)):
-        return type(t)(primal(x) for x in t)
-    return t
-
-
 #: score elements of one block of queries (fp64: 2 GiB): a long sequence's attention goes in blocks of queries, so
 #: its memory grows like T, not T^2 (every store is elementwise or per query row: the blocks change nothing)
 ATTENTION_BLOCK_ELEMENTS = 1 << 28
@@ -129,7 +121,7 @@ def truth_attention(module, query, key, value, attention_mask, scaling, dropout=
     # so the values do not depend on the blocking (the softmax runs in fp32, as transformers', and its sums would
     # round otherwise over fewer keys: ~1e-7)
     trim = rec.probe is not None
-    block = _probed_attention_block if _replicated(rec, query) else _attention_block
+    block = _probed_block if _replicated(rec, query) else _attention_block
     blocks = []
     for lo in range(0, tq, rows):
         seen = min(tk, tk - tq + lo + rows) if trim else tk
@@ -144,39 +136,8 @@ def _replicated(rec: Recorder, x: torch.Tensor) -> bool:
     return rec.probe is not None and rec.probe.replicated(x)
 
 
-def _probed_attention_block(rec: Recorder, query, key, value, causal, scaling, keys: int):
-    """:func:`_attention_block` under probes, by hand: its primal once per sequence, each replica's tangent the
-    forward-mode one with the stores' draws (:meth:`reference_impl.truth.probe_draws.Probe.store_tangent`, the
-    same draws in the same order). forward_ad would compute the ``T^2`` primal once per replica; and the
-    tangent's ``T^2`` work is what a long prefill costs, so it is written for few passes over it: the scaling on
-    the ``T x d`` operands, no masking of the tangent (a masked probability is 0, so is its tangent), and the
-    softmax's ``p (t - sum p t)`` as ``(p t) @ v - (sum p t) out``."""
-    probe, k = rec.probe, rec.probe.replicas
-    (qp, qt), (kp, kt), (vp, vt) = (torch.autograd.forward_ad.unpack_dual(x) for x in (query, key, value))
-    qt, kt, vt = (torch.zeros_like(p) if t is None else t for p, t in ((qp, qt), (kp, kt), (vp, vt)))
-    q1, k1, v1 = qp.detach()[::k], kp.detach()[::k], vp.detach()[::k]  # [S, H, ., d]
-
-    def each(t):  # [S * K, ...] -> [S, K, ...]
-        return t.reshape(q1.shape[0], k, *t.shape[1:])
-    with torch.no_grad():
-        k1t = k1.transpose(2, 3)
-        scores = torch.matmul(q1, k1t) * scaling
-        st = torch.matmul(each(qt) * scaling, k1t[:, None])  # [S, K, H, Tq, Tk]
-        # + q1 kt^T accumulated in place (no second T^2 temporary); the T x d operands laid out per (S, K, H)
-        s_, h_, tq, d_ = q1.shape
-        q_each = (q1 * scaling)[:, None].expand(s_, k, h_, tq, d_).reshape(-1, tq, d_)
-        st.view(-1, *st.shape[-2:]).baddbmm_(q_each, each(kt).transpose(-1, -2).reshape(-1, d_, kt.shape[-2]))
-        st = each(probe.store_tangent("dot", scores, st, torch.matmul(q1.abs(), k1t.abs()) * scaling,
-                                      query.shape[-1]))
-        p = F.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1, dtype=torch.float32).to(query.dtype)
-        st *= p[:, None]  # p t: the probabilities' tangent before their rounding, less p (sum p t)
-        mean = st.sum(-1, keepdim=True)  # sum p t
-        st = probe.store_tangent("round", p, st, None, 0)  # the probabilities' rounding, |p| = p
-        out = torch.matmul(p, v1)
-        ot = torch.matmul(each(st), v1[:, None]) + torch.matmul(p[:, None], each(vt))
-        ot -= mean * out[:, None]
-        ot = probe.store_tangent("dot", out, ot.reshape(-1, *ot.shape[2:]), torch.matmul(p, v1.abs()), keys)
-    return torch.autograd.forward_ad.make_dual(out.repeat_interleave(k, dim=0), ot)
+def _probed_block(rec: Recorder, query, key, value, causal, scaling, keys: int):
+    return by_hand.probed_attention_block(rec.probe, query, key, value, causal, scaling, keys)
 
 
 def _attention_block(rec: Recorder, query, key, value, causal, scaling, keys: int):
@@ -217,61 +178,13 @@ def truth_experts(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, 
 
 
 # ----------------------------------------------------------------------------------------- rotary
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
-    if interleave:
-        x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
-    h = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin
-
-
-def _deinterleave(x: torch.Tensor, interleave: bool) -> torch.Tensor:
-    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1) if interleave else x
-
-
-def _add_rotated(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """``out += x cos + rotate_half(x) sin`` (``x`` de-interleaved; broadcast to ``out``), by halves:
-    ``rotate_half(x) = (-x_hi, x_lo)``."""
-    h = x.shape[-1] // 2
-    lo, hi = out[..., :h], out[..., h:]
-    lo.addcmul_(x[..., :h], cos[..., :h]).addcmul_(x[..., h:], sin[..., :h], value=-1)
-    hi.addcmul_(x[..., h:], cos[..., h:]).addcmul_(x[..., :h], sin[..., h:])
-
-
-def _probed_rotary(rec: Recorder, q, k, cos, sin, interleave: bool):
-    """The rotary embedding under probes, by hand: the primal once per sequence (what transformers computes), each
-    replica's tangent ``rot(dx; cos, sin) + rot(x; dcos, dsin)`` (the rotation is linear in each), and the stores
-    of the wrapper's forward_ad path with the same draws in the same order (the tables', then q's and k's)."""
-    probe, reps = rec.probe, rec.probe.replicas
-    (qp, qt), (kp, kt) = torch.autograd.forward_ad.unpack_dual(q), torch.autograd.forward_ad.unpack_dual(k)
-    q1, k1 = qp.detach()[::reps], kp.detach()[::reps]  # [S, H, T, d]
-    n = q1.shape[0]
-    with torch.no_grad():
-        tables = []
-        for table in (primal(cos), primal(sin)):
-            one = table.expand(n, *table.shape[1:])
-            tables.append((one.unsqueeze(1), probe.store_tangent("round", one, None, None, 0)))
-        (c1, dc), (s1, ds) = tables
-        dc, ds = (t.view(n, reps, 1, *t.shape[1:]) for t in (dc, ds))  # [S, K, 1, T, d]
-        out = []
-        for x1, xt in ((q1, qt), (k1, kt)):
-            value = _rotate(x1, c1, s1, interleave)
-            tangent = x1.new_zeros(n, reps, *x1.shape[1:])
-            if xt is not None:
-                _add_rotated(tangent, _deinterleave(xt, interleave).view(tangent.shape), c1[:, None], s1[:, None])
-            _add_rotated(tangent, _deinterleave(x1, interleave)[:, None], dc, ds)
-            mag = _rotate(x1, c1, 0 * s1, interleave).abs() + _rotate(x1, 0 * c1, s1, interleave).abs()
-            tangent = probe.store_tangent("sum", value, tangent.view(n * reps, *x1.shape[1:]), mag, 0)
-            out.append(torch.autograd.forward_ad.make_dual(value.repeat_interleave(reps, dim=0), tangent))
-    return tuple(out)
-
-
 def rope_wrapper(original, interleave: bool):
     def apply(q, k, cos, sin, *args, **kwargs):
         rec = active()
         if rec is None or not rec.observing:
             return original(q, k, cos, sin, *args, **kwargs)
         if _replicated(rec, q) and _replicated(rec, k):
-            return _probed_rotary(rec, q, k, cos, sin, interleave)
+            return by_hand.probed_rotary(rec.probe, q, k, cos, sin, interleave)
         if rec.probe is not None:  # the tables serve every replica of a probed batch: each its own draws
             cos, sin = cos.expand(q.shape[0], *cos.shape[1:]), sin.expand(q.shape[0], *sin.shape[1:])
         cos, sin = rec.store(cos, "round"), rec.store(sin, "round")

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import reference_impl.truth.by_hand as by_hand
 import reference_impl.truth.instrument as instrument
 import reference_impl.truth.probes as probes
 from reference_impl.truth.engine import Output, Request, TruthModel
@@ -160,7 +161,8 @@ def test_probed_attention_missing_a_store_is_caught(dense, monkeypatch):
     original = Probe.store_tangent
 
     def without_round(self, kind, one, upstream, info, n, reduced=False, shared=False, dtype=None):
-        out = original(self, kind, one, upstream, info, n, reduced, shared, dtype)  # its draws made (the others stay paired)
+        # its draws made (the others stay paired)
+        out = original(self, kind, one, upstream, info, n, reduced, shared, dtype)
         if kind == "round" and upstream is not None:  # the probabilities' (the rotary tables' have no upstream)
             return upstream.reshape(out.shape).clone()  # and dropped
         return out
@@ -238,7 +240,7 @@ def test_probed_rotary_with_a_wrong_rotation_is_caught(dense, monkeypatch):
         lo, hi = out[..., :h], out[..., h:]
         lo.addcmul_(x[..., :h], cos[..., :h]).addcmul_(x[..., h:], sin[..., :h])
         hi.addcmul_(x[..., h:], cos[..., h:]).addcmul_(x[..., :h], sin[..., h:], value=-1)
-    monkeypatch.setattr(instrument, "_add_rotated", flipped)
+    monkeypatch.setattr(by_hand, "_add_rotated", flipped)
     assert _by_hand_change(dense, monkeypatch) > 100 * BY_HAND_CHANGE
 
 
@@ -302,7 +304,7 @@ def test_store_std_is_the_rounding_models(kind, tp):
     g = torch.Generator().manual_seed(5)
     value = torch.randn(2, 3, 8, generator=g, dtype=torch.float64)
     if kind.startswith("linear"):
-        info = (torch.randn(2, 3, 16, generator=g, dtype=torch.float64), torch.randn(8, 16, generator=g, dtype=torch.float64))
+        info = tuple(torch.randn(*shape, generator=g, dtype=torch.float64) for shape in ((2, 3, 16), (8, 16)))
     elif kind == "combine":
         info = torch.rand(2, 2, 3, 8, generator=g, dtype=torch.float64)
     else:
