@@ -116,6 +116,8 @@ def share_primal(layer: torch.nn.Module, probe: Probe) -> None:
     for mod in layer.modules():
         if isinstance(mod, torch.nn.Linear):
             mod.forward = _SharedPrimalLinear(mod, probe)
+        elif _plain(type(mod), RMS_NORM):  # q_norm / k_norm too (Qwen3)
+            mod.forward = _ProbedNorm(mod.weight, mod.variance_epsilon, probe)
     mlp = getattr(layer, "mlp", None)
     if mlp is None:
         return
@@ -128,22 +130,63 @@ def share_primal(layer: torch.nn.Module, probe: Probe) -> None:
 
 #: transformers' SiLU activation classes (ACT2FN["silu"])
 SILU = ("SiLUActivation", "SiLU")
-_PLAIN: dict[type, bool] = {}
+#: the forward bodies (whitespace removed) run by hand: transformers' dense MLPs, its RMSNorms
+DENSE_MLP = ("returnself.down_proj(self.act_fn(self.gate_proj(x))*self.up_proj(x))",
+             "down_proj=self.down_proj(self.act_fn(self.gate_proj(x))*self.up_proj(x))returndown_proj")
+RMS_NORM = ("input_dtype=hidden_states.dtypehidden_states=hidden_states.to(torch.float32)variance=hidden_states."
+            "pow(2).mean(-1,keepdim=True)hidden_states=hidden_states*torch.rsqrt(variance+self.variance_epsilon)"
+            "returnself.weight*hidden_states.to(input_dtype)",)
+_PLAIN: dict[tuple[type, tuple], bool] = {}
 
 
-def _plain_mlp(cls: type) -> bool:
-    """Whether ``cls.forward`` is exactly ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (transformers' dense
-    MLPs; read from its source once per class: a changed class runs through forward_ad, not by hand)."""
-    if cls not in _PLAIN:
+def _plain(cls: type, bodies: tuple[str, ...]) -> bool:
+    """Whether ``cls.forward`` computes exactly one of ``bodies`` (read from its source once per class: a changed
+    class runs through forward_ad, not by hand)."""
+    if (cls, bodies) not in _PLAIN:
         import inspect
 
         try:
             src = "".join(inspect.getsource(cls.forward).split())
         except (OSError, TypeError):
             src = ""
-        _PLAIN[cls] = "returnself.down_proj(self.act_fn(self.gate_proj(x))*self.up_proj(x))" in src or (
-            "down_proj=self.down_proj(self.act_fn(self.gate_proj(x))*self.up_proj(x))returndown_proj" in src)
-    return _PLAIN[cls]
+        _PLAIN[(cls, bodies)] = any(b in src for b in bodies)
+    return _PLAIN[(cls, bodies)]
+
+
+def _plain_mlp(cls: type) -> bool:
+    """Whether ``cls`` is a dense MLP ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (:data:`DENSE_MLP`)."""
+    return _plain(cls, DENSE_MLP)
+
+
+class _ProbedNorm:
+    """An RMSNorm under probes, by hand where its rows are replicas: transformers' primal once per sequence, each
+    replica's tangent ``w r (t - x r^2 mean(x t))`` (``r = rsqrt(mean(x^2) + eps)``: forward-mode's, in the
+    pass's dtype). Its store stays the hook's. forward_ad would compute the norm once per replica. Holds tensors,
+    not the module (see :class:`_SharedPrimalLinear`)."""
+
+    def __init__(self, weight: torch.Tensor, eps: float, probe: Probe):
+        self.weight, self.eps, self.probe = weight, eps, probe
+
+    def _primal(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # transformers' own arithmetic, and r
+        h = x.to(torch.float32)
+        r = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * (h * r).to(x.dtype), r
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        p, t = fwAD.unpack_dual(x)
+        if t is None or not self.probe.replicated(p):
+            return self._primal(x)[0]  # forward_ad through the same operations
+        k = self.probe.replicas
+        x1 = p.detach()[::k]
+        with torch.no_grad():
+            y1, r = self._primal(x1)
+            r = r.to(x1.dtype)
+            each = t.view(x1.shape[0], k, *x1.shape[1:])
+            m = (each * x1[:, None]).mean(-1, keepdim=True)  # mean(x t) per replica
+            yt = each * (self.weight * r)[:, None]
+            yt.addcmul_((self.weight * x1 * r.pow(3))[:, None], m, value=-1)
+        return fwAD.make_dual(y1.repeat_interleave(k, dim=0), yt.view(t.shape))
 
 
 class _ProbedMLP:

@@ -316,3 +316,51 @@ def test_store_std_is_the_rounding_models(kind, tp):
         assert (ops is None) == (want_ops is None)
         if ops is not None:
             assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(ops, want_ops))
+
+
+def _norm_tangents(tm: TruthModel, by_hand: bool, monkeypatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer 0's input RMSNorm on a probed batch (2 sequences x 4 replicas), its store included: primal and
+    tangent, by hand (probe_pass._ProbedNorm) or through forward_ad."""
+    import torch.autograd.forward_ad as fwAD
+
+    import reference_impl.truth.probe_pass as probe_pass
+    from reference_impl.truth.instrument import Recorder, recording
+    from reference_impl.truth.probe_draws import Probe
+
+    with monkeypatch.context() as m, tm.layer(0) as layer, fwAD.dual_level(), torch.no_grad():
+        if not by_hand:
+            m.setattr(probe_pass, "RMS_NORM", ("not a forward body",))
+        probe = Probe(4, 5, 1, torch.Generator().manual_seed(0), sequences=2)
+        probe_pass.share_primal(layer, probe)
+        assert isinstance(layer.input_layernorm.__dict__.get("forward"), probe_pass._ProbedNorm) == by_hand
+        g = torch.Generator().manual_seed(1)
+        x1 = torch.randn(2, 5, tm.cfg.hidden_size, generator=g, dtype=torch.float64)
+        xt = torch.randn(8, 5, tm.cfg.hidden_size, generator=g, dtype=torch.float64)
+        with recording(Recorder(tm.cfg, False, {}, 0, probe=probe)):
+            y = layer.input_layernorm(fwAD.make_dual(x1.repeat_interleave(4, 0), xt))
+        p, t = fwAD.unpack_dual(y)
+        return p.clone(), t.clone()
+
+
+#: |tangent by hand - forward_ad's| / max |tangent|: transformers' RMSNorm runs in fp32 (its input cast), so
+#: forward_ad's tangent carries fp32 rounding, a few units of 2^-24 (6e-8) per operation; the hand's is the
+#: pass's fp64. Leaving out the mean term (a wrong derivative) moves it by O(1) (the mutant below)
+NORM_CHANGE = 1e-6
+
+
+def test_probed_norm_by_hand_is_forward_ads(dense, monkeypatch):
+    """The RMSNorm by hand (its primal once per sequence) gives forward_ad's primal bit for bit and its tangent to
+    fp32 rounding from the same draws (its store's included)."""
+    hp, ht = _norm_tangents(dense, True, monkeypatch)
+    ap, at = _norm_tangents(dense, False, monkeypatch)
+    assert torch.equal(hp, ap)
+    assert float((ht - at).abs().max()) <= NORM_CHANGE * float(at.abs().max())
+
+
+def test_probed_norm_without_its_mean_term_is_caught(dense, monkeypatch):
+    """Mutant: the RMSNorm by hand without the ``- x r^3 mean(x t)`` term of its derivative (the one in-place
+    ``addcmul_`` on its path: the store adds its noise with ``torch.addcmul``)."""
+    _, ht = _norm_tangents(dense, True, monkeypatch)
+    monkeypatch.setattr(torch.Tensor, "addcmul_", lambda self, *a, **k: self)  # the mean term, dropped
+    _, mt = _norm_tangents(dense, True, monkeypatch)
+    assert float((mt - ht).abs().max()) > 100 * NORM_CHANGE * float(ht.abs().max())
