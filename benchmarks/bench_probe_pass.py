@@ -70,7 +70,7 @@ def measure(checkpoint: str, device: str, shapes: list[tuple[int, int]], probes:
         targets = [s[1:] + [s[0]] for s in seqs]
         for mode in modes:
             if mode == "values":  # the fp64 forward an fp32 pass takes its values from, alone
-                times = _twice(device, lambda: pass_.values_fp64(model.truth, seqs, targets))
+                times = _twice(device, lambda: pass_.values_fp64(model.truth, [(seqs, targets)]))
             else:
                 precision, gemm = {"fp64": ("fp64", None), "fp32-bf16": ("fp32", torch.bfloat16),
                                    "fp32-tf32": ("fp32", None), "fp32-bf16-fwad-mlp": ("fp32", torch.bfloat16)}[mode]

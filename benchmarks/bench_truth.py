@@ -219,7 +219,9 @@ def main() -> None:
                          "--checkpoint, against its floor measured in the same run (benchmarks/truth_workload.py)")
     ap.add_argument("--checkpoint", default=None, help="--workload: the checkpoint (default: the fixture dense-nvfp4_awq-a)")
     ap.add_argument("--budget-s", type=float, default=300.0, help="--workload: truth time spent before projecting")
-    ap.add_argument("--chunk", type=int, default=64, help="--workload: sequences per call (budget checked between)")
+    ap.add_argument("--chunk", type=int, default=64,
+                    help="--workload: sequences per call (budget checked between); 0: each weight set's sequences in "
+                         "one call, as the workload judge asks (no budget: the whole workload)")
     ap.add_argument("--max-rows", type=int, default=None,
                     help="--workload: rows (sequences x probes x tokens) of one probed pass (memory; default: "
                          "reference_impl/truth/probes.py MAX_ROWS)")

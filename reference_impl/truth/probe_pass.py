@@ -253,25 +253,29 @@ def _tangent_gemm(tangent: torch.Tensor, w: torch.Tensor, low: torch.dtype | Non
     return out.to(w.dtype) if cast_back else out
 
 
-def values_fp64(truth, seqs: list[list[int]], targets: list[list[int]]) -> list[tuple]:
-    """``(logprob, best, gap)`` per row of each sequence (all of one length) from the fp64 forward (values only:
-    no probes), for an fp32 probed pass."""
+def values_fp64(truth, batches: list[tuple[list[list[int]], list[list[int]]]]) -> list[list[tuple]]:
+    """``(logprob, best, gap)`` per row of each sequence from the fp64 forward (values only: no probes), for an
+    fp32 probed pass. ``batches``: ``(sequences, targets)``, the sequences of a batch all of one length; every
+    batch goes through a layer while it is decoded (one sweep of the weights for all of them: a layer's fp64
+    decoding costs as much as a short batch's forward)."""
     with torch.no_grad():
-        x = torch.cat([truth.embed(ids) for ids in seqs])
-        pe = truth._positions(x)
+        xs = [torch.cat([truth.embed(ids) for ids in seqs]) for seqs, _ in batches]
+        pes = [truth._positions(x) for x in xs]
         for i in range(truth.cfg.num_layers):
             with truth.layer(i) as layer, recording(Recorder(truth.cfg, False, {}, i)):
-                x = truth._run(layer, x, pe)
-        h = truth.final_norm(x)
+                xs = [truth._run(layer, x, pe) for x, pe in zip(xs, pes)]
         w = truth.lm_head()
         out = []
-        for s, tg in enumerate(targets):
-            tg = torch.tensor(tg, device=w.device)
-            rows = max(1, HEAD_ELEMENTS // w.shape[0])
-            parts = []
-            for lo in range(0, h.shape[1], rows):
-                parts.append(_row_values(h[s, lo:lo + rows] @ w.T, tg[lo:lo + rows]))
-            out.append(tuple(torch.cat([p[i] for p in parts]) for i in range(3)))
+        for x, (_, targets) in zip(xs, batches):
+            h = truth.final_norm(x)
+            out.append([])
+            for s, tg in enumerate(targets):
+                tg = torch.tensor(tg, device=w.device)
+                rows = max(1, HEAD_ELEMENTS // w.shape[0])
+                parts = []
+                for lo in range(0, h.shape[1], rows):
+                    parts.append(_row_values(h[s, lo:lo + rows] @ w.T, tg[lo:lo + rows]))
+                out[-1].append(tuple(torch.cat([p[i] for p in parts]) for i in range(3)))
     return out
 
 

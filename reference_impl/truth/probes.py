@@ -208,18 +208,13 @@ def _probe_sequences(truth, seqs, targets, probes, tp, seed, max_rows, dtype) ->
 
 
 def _values(truth, seqs, targets, by_length: dict[int, list[int]]) -> dict[int, tuple]:
-    """Each sequence's fp64 values for an fp32 pass, from fp64 forwards over as many sequences of one length as
-    an fp64 pass's rows allow (each forward decodes every layer in fp64: few, large forwards, not one per
-    probed pass)."""
+    """Each sequence's fp64 values for an fp32 pass, from one fp64 sweep of the layers over every length (each
+    length in batches as large as an fp64 pass's rows allow): a layer is decoded in fp64 once for all of them."""
     rows = rows_budget(truth.cfg, torch.float64)
-    out = {}
-    for t, idx in by_length.items():
-        per = max(1, rows // t)
-        for lo in range(0, len(idx), per):
-            part = idx[lo:lo + per]
-            got = probe_pass.values_fp64(truth, [seqs[i] for i in part], [targets[i] for i in part])
-            out.update(zip(part, got))
-    return out
+    batches = [idx[lo:lo + max(1, rows // t)] for t, idx in by_length.items()
+               for lo in range(0, len(idx), max(1, rows // t))]
+    got = probe_pass.values_fp64(truth, [([seqs[i] for i in b], [targets[i] for i in b]) for b in batches])
+    return {i: v for b, vs in zip(batches, got) for i, v in zip(b, vs)}
 
 
 def probe_sequence(truth, ids: list[int], targets: list[int], probes: int = DEFAULT_PROBES, tp: int = 1,
