@@ -1,7 +1,9 @@
 """Time per judged token of the truth's probed passes (reference_impl/truth/probes.py) by precision, measured in
 the same run on the same sequences: the fp64 forward of the values alone (``values``), fp64, fp32 with BF16 tangent GEMMs (the default of ``fp32``) and with TF32
-ones, and with the dense MLP through forward_ad instead of by hand (``fp32-bf16-fwad-mlp``; the last column's
-baseline when fp64 is not run), each with the decoder layers kept between passes (``keeping_layers``; the first pass, which builds them,
+ones, with the dense MLP through forward_ad instead of by hand (``fp32-bf16-fwad-mlp``; the speed column's
+baseline when fp64 is not run), and with the probed attention in eager passes instead of the CUDA kernels
+(``fp32-bf16-eager-attention``; the last column: its summed variance estimates against the default's, other
+draws of the same distribution), each with the decoder layers kept between passes (``keeping_layers``; the first pass, which builds them,
 timed apart). Optionally the GPU time by kernel of one fp32 pass (``--profile``).
 
     python benchmarks/bench_probe_pass.py --checkpoint /tmp/m8b --device cuda --shapes 7x79,1x2047
@@ -11,6 +13,7 @@ share passes)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -26,16 +29,16 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _twice(device: str, run) -> list[float]:
-    """The wall times of two calls of ``run`` (the device synchronised around each)."""
-    times = []
+def _twice(device: str, run) -> tuple[list[float], object]:
+    """The wall times of two calls of ``run`` (the device synchronised around each), and the last one's result."""
+    times, out = [], None
     for _ in range(2):
         _sync(device)
         t0 = time.perf_counter()
-        run()
+        out = run()
         _sync(device)
         times.append(time.perf_counter() - t0)
-    return times
+    return times, out
 
 
 def _profile(device: str, run, rows: int = 20) -> None:
@@ -70,10 +73,14 @@ def measure(checkpoint: str, device: str, shapes: list[tuple[int, int]], probes:
         targets = [s[1:] + [s[0]] for s in seqs]
         for mode in modes:
             if mode == "values":  # the fp64 forward an fp32 pass takes its values from, alone
-                times = _twice(device, lambda: pass_.values_fp64(model.truth, [(seqs, targets)]))
+                times, _ = _twice(device, lambda: pass_.values_fp64(model.truth, [(seqs, targets)]))
+                estimate = float("nan")
             else:
                 precision, gemm = {"fp64": ("fp64", None), "fp32-bf16": ("fp32", torch.bfloat16),
-                                   "fp32-tf32": ("fp32", None), "fp32-bf16-fwad-mlp": ("fp32", torch.bfloat16)}[mode]
+                                   "fp32-tf32": ("fp32", None), "fp32-bf16-fwad-mlp": ("fp32", torch.bfloat16),
+                                   "fp32-bf16-eager-attention": ("fp32", torch.bfloat16)}[mode]
+                # eager-attention: the probed attention in eager passes, not by the CUDA kernels
+                os.environ["TRUTH_ATTENTION_KERNEL"] = "0" if mode.endswith("eager-attention") else "1"
                 pass_.TANGENT_GEMM = gemm
                 # fwad-mlp: the dense MLP through forward_ad, not by hand (what probe_pass._ProbedMLP saves)
                 pass_._plain_mlp = (lambda cls: False) if mode.endswith("fwad-mlp") else plain_mlp
@@ -81,28 +88,32 @@ def measure(checkpoint: str, device: str, shapes: list[tuple[int, int]], probes:
                     torch.cuda.reset_peak_memory_stats()
                 with P.keeping_layers(model.truth, dtype=torch.float64 if precision == "fp64" else torch.float32):
                     # the first builds (and keeps) the layers
-                    times = _twice(device, lambda: P.probe_sequences(model.truth, seqs, targets, probes,
-                                                                     precision=precision, max_rows=max_rows))
+                    times, res = _twice(device, lambda: P.probe_sequences(model.truth, seqs, targets, probes,
+                                                                          precision=precision, max_rows=max_rows))
+                    estimate = float(sum(r.logprob_var.sum() for r in res))  # (the draws differ by mode)
                     if profile and mode == "fp32-bf16":
                         _profile(device, lambda: P.probe_sequences(model.truth, seqs, targets, probes,
                                                                    precision=precision, max_rows=max_rows), profile)
             peak = torch.cuda.max_memory_allocated() / 2 ** 30 if device.startswith("cuda") else float("nan")
             rows.append({"shape": f"{n}x{t}", "mode": mode, "first_s": times[0], "kept_s": times[1],
-                         "ms_per_token": 1e3 * times[1] / (n * t), "peak_gib": peak})
+                         "ms_per_token": 1e3 * times[1] / (n * t), "peak_gib": peak, "estimate": estimate})
             print(rows[-1], flush=True)
     pass_.TANGENT_GEMM, pass_._plain_mlp = torch.bfloat16, plain_mlp
+    os.environ.pop("TRUTH_ATTENTION_KERNEL", None)
     return rows
 
 
 def table(rows: list[dict]) -> str:
     base = {r["shape"]: r["kept_s"] for r in rows if r["mode"] == "fp64"}
     base = base or {r["shape"]: r["kept_s"] for r in rows if r["mode"] == "fp32-bf16-fwad-mlp"}
-    out = ["| sequences x rows | precision | first pass s | kept s | ms per token | peak GiB | baseline / this |",
-           "| --- | --- | --- | --- | --- | --- | --- |"]
+    ref = {r["shape"]: r["estimate"] for r in rows if r["mode"] == "fp32-bf16"}
+    out = ["| sequences x rows | precision | first pass s | kept s | ms per token | peak GiB | baseline / this | "
+           "sum of V_hat / fp32-bf16's |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         ratio = f"{base[r['shape']] / r['kept_s']:.1f}" if r["shape"] in base else ""
         out.append(f"| {r['shape']} | {r['mode']} | {r['first_s']:.1f} | {r['kept_s']:.1f} | "
-                   f"{r['ms_per_token']:.1f} | {r.get('peak_gib', float('nan')):.1f} | {ratio} |")
+                   f"{r['ms_per_token']:.1f} | {r.get('peak_gib', float('nan')):.1f} | {ratio} | "
+                   f"{r['estimate'] / ref.get(r['shape'], float('nan')):.3f} |")
     return "\n".join(out)
 
 

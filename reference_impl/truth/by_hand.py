@@ -69,12 +69,13 @@ def probed_rotary(probe, q, k, cos, sin, interleave: bool):
 
 
 def probed_attention_block(probe, query, key, value, causal, scaling, keys: int):
-    """:func:`reference_impl.truth.instrument._attention_block` under probes, by hand: its primal once per sequence, each replica's tangent the
-    forward-mode one with the stores' draws (:meth:`reference_impl.truth.probe_draws.Probe.store_tangent`, the
-    same draws in the same order). forward_ad would compute the ``T^2`` primal once per replica; and the
-    tangent's ``T^2`` work is what a long prefill costs, so it is written for few passes over it: the scaling on
-    the ``T x d`` operands, no masking of the tangent (a masked probability is 0, so is its tangent), and the
-    softmax's ``p (t - sum p t)`` as ``(p t) @ v - (sum p t) out``."""
+    """``instrument._attention_block`` under probes, by hand: its primal once per sequence, each replica's tangent
+    the forward-mode one with the stores' draws (:meth:`reference_impl.truth.probe_draws.Probe.store_tangent`, the
+    same draws in the same order). forward_ad would compute the ``T^2`` primal once per replica; and the tangent's
+    ``T^2`` work is what a long prefill costs, so it is written for few passes over it: the scaling on the
+    ``T x d`` operands, no masking of the tangent (a masked probability is 0, so is its tangent), and the
+    softmax's ``p (t - sum p t)`` as ``(p t) @ v - (sum p t) out``. On CUDA the kernels of
+    :mod:`reference_impl.truth.attention_kernel` do it without ``T^2`` tensors (:func:`probed_attention_kernel`)."""
     k = probe.replicas
     (qp, qt), (kp, kt), (vp, vt) = (torch.autograd.forward_ad.unpack_dual(x) for x in (query, key, value))
     qt, kt, vt = (torch.zeros_like(p) if t is None else t for p, t in ((qp, qt), (kp, kt), (vp, vt)))
@@ -100,4 +101,24 @@ def probed_attention_block(probe, query, key, value, causal, scaling, keys: int)
         ot = torch.matmul(each(st), v1[:, None]) + torch.matmul(p[:, None], each(vt))
         ot -= mean * out[:, None]
         ot = probe.store_tangent("dot", out, ot.reshape(-1, *ot.shape[2:]), torch.matmul(p, v1.abs()), keys)
+    return torch.autograd.forward_ad.make_dual(out.repeat_interleave(k, dim=0), ot)
+
+
+def probed_attention_kernel(probe, query, key, value, scaling, keys: int):
+    """:func:`probed_attention_block` over every query at once by the Triton kernels
+    (:mod:`reference_impl.truth.attention_kernel`: no ``T^2`` tensor in memory; their own draws for the scores'
+    and probabilities' stores), then the output's store."""
+    from reference_impl.truth import attention_kernel
+    from reference_impl.truth.stores import U_ACCUM, U_BF16
+
+    k = probe.replicas
+    (qp, qt), (kp, kt), (vp, vt) = (torch.autograd.forward_ad.unpack_dual(x) for x in (query, key, value))
+    qt, kt, vt = (torch.zeros_like(p) if t is None else t for p, t in ((qp, qt), (kp, kt), (vp, vt)))
+    q1, k1, v1 = qp.detach()[::k], kp.detach()[::k], vp.detach()[::k]
+    gen = probe.generator
+    seed = int(torch.randint(0, 2 ** 30, (1,), generator=gen, device=gen.device if gen is not None else qp.device))
+    with torch.no_grad():
+        out, pav, ot = attention_kernel.probed_attention(q1, k1, v1, qt, kt, vt, scaling, U_BF16,
+                                                         U_ACCUM * (query.shape[-1] + 2), seed)
+        ot = probe.store_tangent("dot", out, ot, pav, keys)
     return torch.autograd.forward_ad.make_dual(out.repeat_interleave(k, dim=0), ot)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from reference_impl.model.architectures import ModelConfig
 from reference_impl.moe.routing import allowed_by_groups, group_scores
-from reference_impl.truth import by_hand
+from reference_impl.truth import attention_kernel, by_hand
 from reference_impl.truth.by_hand import primal, rotate as _rotate
 from reference_impl.truth.stores import Store
 
@@ -114,6 +114,9 @@ def truth_attention(module, query, key, value, attention_mask, scaling, dropout=
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     tq, tk = query.shape[-2], key.shape[-2]
+    if _replicated(rec, query) and attention_kernel.available(query) and tk * tk < 2 ** 31:
+        out = by_hand.probed_attention_kernel(rec.probe, query, key, value, scaling, tk)  # no T^2 in memory
+        return out.transpose(1, 2).contiguous(), None
     rows = max(1, ATTENTION_BLOCK_ELEMENTS // (query.shape[0] * query.shape[1] * tk))
     causal = torch.ones(tq, tk, dtype=torch.bool, device=query.device).tril(tk - tq)
     # under probes a block of queries takes the keys up to its last query only: the keys after it are masked for

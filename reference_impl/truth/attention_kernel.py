@@ -1,0 +1,77 @@
+"""The probed attention's ``T^2`` work in two Triton kernels (CUDA, fp32 probed passes), flash-attention style:
+nothing of size ``T^2`` is written to memory. What :func:`reference_impl.truth.by_hand.probed_attention_block`
+computes in eager passes over ``[S, K, H, Tq, Tk]`` tensors (a long prefill's cost), with the same rounding model:
+
+* ``primal_kernel`` (reference_impl/truth/_attention_triton.py), per query block: the causal softmax's row
+  max ``m`` and sum ``l``, the output ``o = p v`` and ``p |v|`` (the output store's error weights) -- once per
+  sequence and head;
+* ``tangent_kernel``, per query block and replica: for every key block up to the block's last query, the
+  scores' tangent ``st = (qt k^T + q kt^T) scale`` plus the scores store's own draws (``dot``:
+  ``hypot(U s, U_ACCUM (d + 2) |q| |k|^T scale) z1``), the softmax's ``p (t - sum p t)``, the probabilities'
+  store (``round``: ``U p z2``) and the products with ``v`` and ``vt``, accumulated in registers.
+
+The output's own store (``dot`` over the sequence's keys) is the eager one (:meth:`Probe.store_tangent`). The
+draws are Triton's Philox normals, seeded from the probe's generator (one seed per call; one stream per sequence,
+head and replica), not the eager path's: the same distribution, other numbers. fp32 products run in TF32, as the
+eager path's on CUDA, but the scores that feed the softmax (``ieee``: both kernels compute them alike).
+``TRUTH_ATTENTION_KERNEL=0`` turns them off (the eager path)."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+#: head dimensions the kernels take (a power of two, as tl.arange needs)
+HEAD_DIMS = (16, 32, 64, 128)
+#: query and key rows per block, warps per program (fp32 tiles of a 128-wide head: the tangent kernel holds four
+#: of them per query block and six per key block)
+BLOCK_M, BLOCK_N, WARPS = 64, 32, 8
+
+
+def available(query: torch.Tensor) -> bool:
+    """Whether the kernels serve this probed attention: CUDA fp32 rows, a head dimension of :data:`HEAD_DIMS`,
+    ``TRUTH_ATTENTION_KERNEL`` not 0, Triton importable (only then imported: a CPU truth never needs it)."""
+    if not (query.is_cuda and query.dtype == torch.float32 and query.shape[-1] in HEAD_DIMS
+            and os.environ.get("TRUTH_ATTENTION_KERNEL", "1") != "0"):
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _strides3(x: torch.Tensor) -> tuple[int, int, int]:
+    if x.stride(-1) != 1:
+        raise ValueError("the head dimension must be contiguous")
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def probed_attention(q1, k1, v1, qt, kt, vt, scale: float, u_bf16: float, c_acc: float, seed: int,
+                     block: tuple[int, int] = (BLOCK_M, BLOCK_N)):
+    """``(out, pav, ot)`` of causal attention under probes: ``q1, k1, v1`` ``[S, H, T, D]`` each sequence's primal,
+    ``qt, kt, vt`` ``[S K, H, T, D]`` its replicas' tangents (sequence s, replica r at ``s K + r``); ``out`` and
+    ``pav = p |v|`` ``[S, H, Tq, D]``, ``ot`` ``[S K, H, Tq, D]`` the tangent before the output's store. ``u_bf16``,
+    ``c_acc``: the stores' BF16 unit and accumulation weight ``U_ACCUM (D + 2)`` (0, 0: no draws)."""
+    s_, heads, t_q, d = q1.shape
+    t_k = k1.shape[2]
+    reps = qt.shape[0] // s_
+    if t_k * t_k >= 2 ** 31:
+        raise ValueError(f"{t_k} keys: the draws' offsets (query x key) overflow 32 bits")
+    import triton
+
+    from reference_impl.truth._attention_triton import primal_kernel, tangent_kernel
+
+    bm, bn = block
+    out = q1.new_empty(s_, heads, t_q, d)
+    pav, ot = torch.empty_like(out), q1.new_empty(s_ * reps, heads, t_q, d)
+    m, lsum = q1.new_empty(s_, heads, t_q), q1.new_empty(s_, heads, t_q)
+    grid = (triton.cdiv(t_q, bm), s_ * heads)
+    common = dict(BM=bm, BN=bn, D=d)
+    launch = {} if os.environ.get("TRITON_INTERPRET") == "1" else dict(num_warps=WARPS)
+    primal_kernel[grid](q1, k1, v1, m, lsum, out, pav, scale, t_q, t_k, t_k - t_q, heads,
+                         *_strides3(q1), *_strides3(k1), *_strides3(v1), **common, **launch)
+    tangent_kernel[grid + (reps,)](q1, k1, v1, qt, kt, vt, m, lsum, out, ot, seed, scale, u_bf16, c_acc,
+                                    t_q, t_k, t_k - t_q, heads, reps, *_strides3(q1), *_strides3(k1), *_strides3(v1),
+                                    *_strides3(qt), *_strides3(kt), *_strides3(vt), **common, **launch)
+    return out, pav, ot
