@@ -42,7 +42,8 @@ def primal_kernel(Q, K, V, M, L, O, OA, scale, t_q, t_k, off, heads,
     tl.store(OA + o_at, acc_abs / lsum[:, None], mask=rmask[:, None])
 
 @triton.jit(do_not_specialize=["seed", "t_q", "t_k", "off"])
-def tangent_kernel(Q, K, V, QT, KT, VT, M, L, O, OT, seed, scale, u_bf16, c_acc, t_q, t_k, off, heads, reps,
+def tangent_kernel(Q, K, V, QT, KT, VT, KBAR, KTBAR, M, L, O, OT, seed, scale, u_bf16, c_acc, t_q, t_k, off,
+                   heads, reps,
                    sq0, sq1, sq2, sk0, sk1, sk2, sv0, sv1, sv2,
                    sqt0, sqt1, sqt2, skt0, skt1, skt2, svt0, svt1, svt2,
                    BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
@@ -56,6 +57,10 @@ def tangent_kernel(Q, K, V, QT, KT, VT, M, L, O, OT, seed, scale, u_bf16, c_acc,
     qt = tl.load(QT + rep * sqt0 + h * sqt1 + rows[:, None] * sqt2 + dims[None, :], mask=rmask[:, None],
                  other=0.0)
     q_abs = tl.abs(q)
+    # the keys and key tangents centred over the keys for the scores' tangent (a row's constant leaves the
+    # softmax's tangent as it is; a shared mean would enter each TF32 product at full size)
+    kbar = tl.load(KBAR + b * D + dims)
+    ktbar = tl.load(KTBAR + (rep * heads + h) * D + dims)
     m = tl.load(M + b * t_q + rows, mask=rmask, other=0.0)
     lsum = tl.load(L + b * t_q + rows, mask=rmask, other=1.0)
     acc = tl.zeros((BM, D), tl.float32)
@@ -72,7 +77,7 @@ def tangent_kernel(Q, K, V, QT, KT, VT, M, L, O, OT, seed, scale, u_bf16, c_acc,
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         valid = (cols[None, :] <= rows[:, None] + off) & (cols[None, :] < t_k)
         p = tl.where(valid, tl.exp(s - m[:, None]) / lsum[:, None], 0.0)
-        st = (tl.dot(qt, tl.trans(k)) + tl.dot(q, tl.trans(kt))) * scale
+        st = (tl.dot(qt, tl.trans(k - kbar[None, :])) + tl.dot(q, tl.trans(kt - ktbar[None, :]))) * scale
         info = tl.dot(q_abs, tl.trans(tl.abs(k))) * scale
         a, c = u_bf16 * s, c_acc * info
         at = rows[:, None] * t_k + cols[None, :]

@@ -6,7 +6,8 @@ computes in eager passes over ``[S, K, H, Tq, Tk]`` tensors (a long prefill's co
   max ``m`` and sum ``l``, the output ``o = p v`` and ``p |v|`` (the output store's error weights) -- once per
   sequence and head;
 * ``tangent_kernel``, per query block and replica: for every key block up to the block's last query, the
-  scores' tangent ``st = (qt k^T + q kt^T) scale`` plus the scores store's own draws (``dot``:
+  scores' tangent ``st = (qt k^T + q kt^T) scale`` (keys and key tangents centred over the keys: the same
+  softmax tangent, without a shared mean in the TF32 products) plus the scores store's own draws (``dot``:
   ``hypot(U s, U_ACCUM (d + 2) |q| |k|^T scale) z1``), the softmax's ``p (t - sum p t)``, the probabilities'
   store (``round``: ``U p z2``) and the products with ``v`` and ``vt``, accumulated in registers.
 
@@ -71,7 +72,9 @@ def probed_attention(q1, k1, v1, qt, kt, vt, scale: float, u_bf16: float, c_acc:
     launch = {} if os.environ.get("TRITON_INTERPRET") == "1" else dict(num_warps=WARPS)
     primal_kernel[grid](q1, k1, v1, m, lsum, out, pav, scale, t_q, t_k, t_k - t_q, heads,
                          *_strides3(q1), *_strides3(k1), *_strides3(v1), **common, **launch)
-    tangent_kernel[grid + (reps,)](q1, k1, v1, qt, kt, vt, m, lsum, out, ot, seed, scale, u_bf16, c_acc,
-                                    t_q, t_k, t_k - t_q, heads, reps, *_strides3(q1), *_strides3(k1), *_strides3(v1),
-                                    *_strides3(qt), *_strides3(kt), *_strides3(vt), **common, **launch)
+    kbar, ktbar = k1.mean(2).contiguous(), kt.mean(2).contiguous()  # [S, H, D], [S K, H, D]
+    tangent_kernel[grid + (reps,)](q1, k1, v1, qt, kt, vt, kbar, ktbar, m, lsum, out, ot, seed, scale, u_bf16,
+                                   c_acc, t_q, t_k, t_k - t_q, heads, reps,
+                                   *_strides3(q1), *_strides3(k1), *_strides3(v1),
+                                   *_strides3(qt), *_strides3(kt), *_strides3(vt), **common, **launch)
     return out, pav, ot

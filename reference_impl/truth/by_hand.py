@@ -73,8 +73,8 @@ def probed_attention_block(probe, query, key, value, causal, scaling, keys: int)
     the forward-mode one with the stores' draws (:meth:`reference_impl.truth.probe_draws.Probe.store_tangent`, the
     same draws in the same order). forward_ad would compute the ``T^2`` primal once per replica; and the tangent's
     ``T^2`` work is what a long prefill costs, so it is written for few passes over it: the scaling on the
-    ``T x d`` operands, no masking of the tangent (a masked probability is 0, so is its tangent), and the
-    softmax's ``p (t - sum p t)`` as ``(p t) @ v - (sum p t) out``. On CUDA the kernels of
+    ``T x d`` operands, no masking of the tangent (a masked probability is 0, so is its tangent), ``q kt^T``
+    accumulated in place, and the softmax's ``p (t - sum p t)`` as ``(p t) @ v - (sum p t) out``. On CUDA the kernels of
     :mod:`reference_impl.truth.attention_kernel` do it without ``T^2`` tensors (:func:`probed_attention_kernel`)."""
     k = probe.replicas
     (qp, qt), (kp, kt), (vp, vt) = (torch.autograd.forward_ad.unpack_dual(x) for x in (query, key, value))
@@ -86,11 +86,15 @@ def probed_attention_block(probe, query, key, value, causal, scaling, keys: int)
     with torch.no_grad():
         k1t = k1.transpose(2, 3)
         scores = torch.matmul(q1, k1t) * scaling
-        st = torch.matmul(each(qt) * scaling, k1t[:, None])  # [S, K, H, Tq, Tk]
+        # the scores' tangent from keys and key tangents centred over the keys: a row's constant leaves the
+        # softmax's tangent exactly as it is, and a mean the keys share (real models' keys have one) would
+        # otherwise enter each product, and its rounding (TF32 on CUDA), at full size
+        kc, ktc = k1 - k1.mean(-2, keepdim=True), kt - kt.mean(-2, keepdim=True)
+        st = torch.matmul(each(qt) * scaling, kc.transpose(2, 3)[:, None])  # [S, K, H, Tq, Tk]
         # + q1 kt^T accumulated in place (no second T^2 temporary); the T x d operands laid out per (S, K, H)
         s_, h_, tq, d_ = q1.shape
         q_each = (q1 * scaling)[:, None].expand(s_, k, h_, tq, d_).reshape(-1, tq, d_)
-        st.view(-1, *st.shape[-2:]).baddbmm_(q_each, each(kt).transpose(-1, -2).reshape(-1, d_, kt.shape[-2]))
+        st.view(-1, *st.shape[-2:]).baddbmm_(q_each, each(ktc).transpose(-1, -2).reshape(-1, d_, kt.shape[-2]))
         st = each(probe.store_tangent("dot", scores, st, torch.matmul(q1.abs(), k1t.abs()) * scaling,
                                       query.shape[-1]))
         p = F.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1, dtype=torch.float32).to(query.dtype)
