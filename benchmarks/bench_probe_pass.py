@@ -1,10 +1,11 @@
 """Time per judged token of the truth's probed passes (reference_impl/truth/probes.py) by precision, measured in
-the same run on the same sequences: the fp64 forward of the values alone (``values``), fp64, fp32 with BF16 tangent GEMMs (the default of ``fp32``) and with TF32
-ones, with the dense MLP through forward_ad instead of by hand (``fp32-bf16-fwad-mlp``; the speed column's
-baseline when fp64 is not run), and with the probed attention in eager passes instead of the CUDA kernels
-(``fp32-bf16-eager-attention``; the last column: its summed variance estimates against the default's, other
-draws of the same distribution), each with the decoder layers kept between passes (``keeping_layers``; the first pass, which builds them,
-timed apart). Optionally the GPU time by kernel of one fp32 pass (``--profile``).
+the same run on the same sequences: the fp64 forward of the values alone (``values``), fp64, fp32 with BF16
+tangent GEMMs (the default of ``fp32``) and with TF32 ones, with the dense MLP through forward_ad instead of by
+hand (``fp32-bf16-fwad-mlp``; the speed column's baseline when fp64 is not run), and with the probed attention by
+the CUDA kernels instead of eager passes (``fp32-bf16-attention-kernel``, ``TRUTH_ATTENTION_KERNEL=1``; the last
+column: its summed variance estimates against the default's, other draws of the same distribution), each with the
+decoder layers kept between passes (``keeping_layers``; the first pass, which builds them, timed apart).
+Optionally the GPU time by kernel of one fp32 pass (``--profile``).
 
     python benchmarks/bench_probe_pass.py --checkpoint /tmp/m8b --device cuda --shapes 7x79,1x2047
 
@@ -78,9 +79,9 @@ def measure(checkpoint: str, device: str, shapes: list[tuple[int, int]], probes:
             else:
                 precision, gemm = {"fp64": ("fp64", None), "fp32-bf16": ("fp32", torch.bfloat16),
                                    "fp32-tf32": ("fp32", None), "fp32-bf16-fwad-mlp": ("fp32", torch.bfloat16),
-                                   "fp32-bf16-eager-attention": ("fp32", torch.bfloat16)}[mode]
-                # eager-attention: the probed attention in eager passes, not by the CUDA kernels
-                os.environ["TRUTH_ATTENTION_KERNEL"] = "0" if mode.endswith("eager-attention") else "1"
+                                   "fp32-bf16-attention-kernel": ("fp32", torch.bfloat16)}[mode]
+                # attention-kernel: the probed attention by the CUDA kernels (reference_impl/truth/attention_kernel.py)
+                os.environ["TRUTH_ATTENTION_KERNEL"] = "1" if mode.endswith("attention-kernel") else "0"
                 pass_.TANGENT_GEMM = gemm
                 # fwad-mlp: the dense MLP through forward_ad, not by hand (what probe_pass._ProbedMLP saves)
                 pass_._plain_mlp = (lambda cls: False) if mode.endswith("fwad-mlp") else plain_mlp

@@ -15,7 +15,10 @@ The output's own store (``dot`` over the sequence's keys) is the eager one (:met
 draws are Triton's Philox normals, seeded from the probe's generator (one seed per call; one stream per sequence,
 head and replica), not the eager path's: the same distribution, other numbers. fp32 products run in TF32, as the
 eager path's on CUDA, but the scores that feed the softmax (``ieee``: both kernels compute them alike).
-``TRUTH_ATTENTION_KERNEL=0`` turns them off (the eager path)."""
+
+Off unless ``TRUTH_ATTENTION_KERNEL=1``: their arithmetic and draws are checked under Triton's CPU interpreter
+(tests/reference/test_truth_attention_kernel.py), but they have not yet run on a GPU here, so neither their
+compilation for one nor their speed is measured (docs/truth.md)."""
 from __future__ import annotations
 
 import os
@@ -30,10 +33,10 @@ BLOCK_M, BLOCK_N, WARPS = 64, 32, 8
 
 
 def available(query: torch.Tensor) -> bool:
-    """Whether the kernels serve this probed attention: CUDA fp32 rows, a head dimension of :data:`HEAD_DIMS`,
-    ``TRUTH_ATTENTION_KERNEL`` not 0, Triton importable (only then imported: a CPU truth never needs it)."""
-    if not (query.is_cuda and query.dtype == torch.float32 and query.shape[-1] in HEAD_DIMS
-            and os.environ.get("TRUTH_ATTENTION_KERNEL", "1") != "0"):
+    """Whether the kernels serve this probed attention: ``TRUTH_ATTENTION_KERNEL=1``, CUDA fp32 rows, a head
+    dimension of :data:`HEAD_DIMS`, Triton importable (only then imported: a CPU truth never needs it)."""
+    if not (os.environ.get("TRUTH_ATTENTION_KERNEL") == "1" and query.is_cuda and query.dtype == torch.float32
+            and query.shape[-1] in HEAD_DIMS):
         return False
     try:
         import triton  # noqa: F401

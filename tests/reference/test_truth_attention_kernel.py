@@ -10,13 +10,18 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent('''
     import os, math, sys
-    os.environ["TRITON_INTERPRET"] = "1"
+    DEVICE = sys.argv[1]
+    if DEVICE == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
     import torch
+    torch.set_default_device(DEVICE)
+    TOL = 1e-5 if DEVICE == "cpu" else 1e-2  # fp32; on a GPU the products are TF32 (10 bits: ~1e-3 of the largest)
     from reference_impl.truth.attention_kernel import probed_attention
 
     def causal_softmax(q1, k1, scale):
@@ -24,7 +29,7 @@ SCRIPT = textwrap.dedent('''
         causal = torch.ones(t_q, t_k, dtype=torch.bool).tril(t_k - t_q)
         return torch.softmax((q1 @ k1.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf")), -1)
 
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(device=DEVICE).manual_seed(0)
     S, K, H, T, D, SCALE = 2, 3, 2, 37, 16, 0.25
     q1, k1, v1 = (torch.randn(S, H, T, D, generator=g) for _ in range(3))
     qt, kt, vt = (torch.randn(S * K, H, T, D, generator=g) for _ in range(3))
@@ -38,7 +43,7 @@ SCRIPT = textwrap.dedent('''
     out, pav, ot = probed_attention(q1, k1, v1, qt, kt, vt, SCALE, 0.0, 0.0, 7, block=(16, 16))
     for name, got, want in (("out", out, want_out), ("p|v|", pav, want_pav), ("tangent", ot, want_ot)):
         err = float((got - want).abs().max() / want.abs().max())
-        assert err < 1e-5, (name, err)
+        assert err < TOL, (name, err)
     # draws only (zero tangents): E[ot^2] per element against the model's variance
     reps, u, c = 240, 2.0 ** -8, 2e-3
     z = torch.zeros(reps, 1, 24, D)
@@ -62,14 +67,26 @@ SCRIPT = textwrap.dedent('''
 
 @pytest.mark.skipif(os.environ.get("NVFP4_SKIP_TRITON_INTERPRETER") == "1", reason="disabled by environment")
 def test_probed_attention_kernels_under_the_interpreter() -> None:
+    """The kernels' arithmetic and draws (:func:`_check`) run by Triton's CPU interpreter."""
+    _check("cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the kernels' own hardware)")
+def test_probed_attention_kernels_on_a_gpu() -> None:
+    """The same checks compiled for and run on the GPU (TF32 products: the exact comparison within 1e-2)."""
+    _check("cuda")
+
+
+def _check(device: str) -> None:
     """Without draws, the kernels give the eager formulas' output, ``p |v|`` and tangent to fp32 rounding. With
     draws, ``K E[ot^2] / V ~ chi^2_K`` per element: a row's mean ratio has standard deviation at most
     ``sqrt(2 / K)`` (0.091 at K = 240; a row's elements share their draws, so no less), the mean of 23
     independent rows ``sqrt(2 / K / 23)`` (0.019). Both must hold within 5 of them; the same statistic against the
     variance of a kernel without the probabilities' store, or without the scores', is far outside."""
     pytest.importorskip("triton", reason="Triton not installed (it ships with CUDA torch builds)")
-    done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", SCRIPT, device], cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-3000:]
     stats = {line.rsplit(" ", 3)[0]: [float(x) for x in line.rsplit(" ", 3)[1:]]
              for line in done.stdout.splitlines() if line.startswith(("model", "no "))}
