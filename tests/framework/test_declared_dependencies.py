@@ -29,7 +29,8 @@ OPTIONAL = {
     "modelopt": "fixtures/config_rules/generate.py, a maintainer script",
     "humming": "vLLM's Humming MoE experts question of the vllm rules (skip with the reason)",
     "matplotlib": "the workload coverage map's PNG (extra 'reports'; JSON and Markdown without it)",
-    "triton": "the CUDA grouped-GEMM path of reference_impl/moe/grouped.py (torch's CUDA builds ship it)",
+    "triton": "the CUDA grouped-GEMM path of reference_impl/moe/grouped.py and the truth's attention kernels "
+              "(reference_impl/truth/attention_kernel.py; torch's CUDA builds ship it)",
     "tomli": "expectation files on Python 3.10 (a conditional main dependency)",
 }
 
@@ -76,7 +77,8 @@ def test_every_imported_package_is_declared_or_optional() -> None:
 def test_optional_packages_are_imported_only_where_needed() -> None:
     at_top = {name: sorted(f for f, top in where if top) for name, where in _imports().items() if name in OPTIONAL}
     # a module that is itself optional (it exists to call the package) may import it at its top
-    allowed = {"fixtures/config_rules/generate.py", "reference_impl/moe/_triton_grouped_gemm.py"}
+    allowed = {"fixtures/config_rules/generate.py", "reference_impl/moe/_triton_grouped_gemm.py",
+               "reference_impl/truth/_attention_triton.py"}
     offending = {n: [f for f in files if f not in allowed] for n, files in at_top.items()}
     assert not any(offending.values()), f"optional packages imported at module level: {offending}"
 
