@@ -99,6 +99,17 @@ def error_weights(kind: str, value: torch.Tensor, info, n: int, reduced: bool, t
     return [bf16, accum] + (tp_sq or [None] * len(TP_SIZES)), weight_operands
 
 
+def std_of_squares(sq: list, shape, tp: int = 1) -> torch.Tensor:
+    """``sqrt(U_BF16^2 sq[0] + U_ACCUM^2 sq[1] + U_BF16^2 sq[TP tp])``: a store's standard deviation from
+    :func:`error_weights`' squared error weights (the components the probes draw at ``tp``)."""
+    var = U_BF16 ** 2 * sq[0]
+    if sq[1] is not None:
+        var = var + U_ACCUM ** 2 * sq[1].reshape(shape)
+    if tp > 1 and sq[2 + TP_SIZES.index(tp)] is not None:
+        var = var + U_BF16 ** 2 * sq[2 + TP_SIZES.index(tp)].reshape(shape)
+    return var.sqrt()
+
+
 def store_std(kind: str, value: torch.Tensor, info, n: int, reduced: bool, tp: int = 1):
     """``(std, weight_operands)`` of one store for the probes: the per-element standard deviation of its BF16,
     accumulation and (at ``tp`` > 1) partial-sum roundings, ``sqrt(U_BF16^2 sq[0] + U_ACCUM^2 sq[1] + ...)`` of
@@ -107,12 +118,7 @@ def store_std(kind: str, value: torch.Tensor, info, n: int, reduced: bool, tp: i
     tp_term = tp > 1 and (kind == "combine" or (reduced and kind.startswith("linear")))
     if tp_term or kind == "combine":
         sq, operands = error_weights(kind, value, info, n, reduced, (tp,) if tp > 1 else ())
-        var = U_BF16 ** 2 * sq[0]
-        if sq[1] is not None:
-            var = var + U_ACCUM ** 2 * sq[1].reshape(value.shape)
-        if tp > 1 and sq[2 + TP_SIZES.index(tp)] is not None:
-            var = var + U_BF16 ** 2 * sq[2 + TP_SIZES.index(tp)].reshape(value.shape)
-        return var.sqrt(), operands
+        return std_of_squares(sq, value.shape, tp), operands
     v = value.detach()
     if kind == "round":
         return v.abs().mul_(U_BF16), None

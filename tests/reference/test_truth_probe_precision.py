@@ -170,28 +170,36 @@ def test_probed_attention_missing_a_store_is_caught(dense, monkeypatch):
     assert _by_hand_change(dense, monkeypatch) > 100 * BY_HAND_CHANGE
 
 
-def _mlp_tangents(tm: TruthModel, by_hand: bool, monkeypatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Layer 0's MLP on a probed batch (2 sequences x 4 replicas, seeded draws): its output's primal and tangent,
-    by hand (probe_pass._ProbedMLP) or through forward_ad and the hooks."""
+def _module_tangents(tm: TruthModel, name: str, by_hand: bool, monkeypatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer 0's module ``name`` (``mlp``, ``input_layernorm``) on a probed batch (2 sequences x 4 replicas, seeded
+    draws), its stores included: its output's primal and tangent, by hand (probe_pass._ProbedMLP, _ProbedNorm) or
+    through forward_ad and the hooks."""
     import torch.autograd.forward_ad as fwAD
 
     import reference_impl.truth.probe_pass as probe_pass
     from reference_impl.truth.instrument import Recorder, recording
     from reference_impl.truth.probe_draws import Probe
 
+    hand, off = {"mlp": (probe_pass._ProbedMLP, ("_plain_mlp", lambda cls: False)),
+                 "input_layernorm": (probe_pass._ProbedNorm, ("RMS_NORM", ("not a forward body",)))}[name]
     with monkeypatch.context() as m, tm.layer(0) as layer, fwAD.dual_level(), torch.no_grad():
         if not by_hand:
-            m.setattr(probe_pass, "_plain_mlp", lambda cls: False)
+            m.setattr(probe_pass, *off)
         probe = Probe(4, 5, 1, torch.Generator().manual_seed(0), sequences=2)
         probe_pass.share_primal(layer, probe)
-        assert isinstance(layer.mlp.forward, probe_pass._ProbedMLP) == by_hand
+        module = getattr(layer, name)
+        assert isinstance(module.__dict__.get("forward"), hand) == by_hand
         g = torch.Generator().manual_seed(1)
         x1 = torch.randn(2, 5, tm.cfg.hidden_size, generator=g, dtype=torch.float64)
         xt = torch.randn(8, 5, tm.cfg.hidden_size, generator=g, dtype=torch.float64)
         with recording(Recorder(tm.cfg, False, {}, 0, probe=probe)):
-            y = layer.mlp(fwAD.make_dual(x1.repeat_interleave(4, 0), xt))
+            y = module(fwAD.make_dual(x1.repeat_interleave(4, 0), xt))
         p, t = fwAD.unpack_dual(y)
         return p.clone(), t.clone()
+
+
+def _mlp_tangents(tm: TruthModel, by_hand: bool, monkeypatch) -> tuple[torch.Tensor, torch.Tensor]:
+    return _module_tangents(tm, "mlp", by_hand, monkeypatch)
 
 
 @pytest.mark.parametrize("family", ["dense-nvfp4_awq", "dense-nvfp4"])
@@ -280,26 +288,15 @@ def test_probed_rotary_by_hand_is_forward_ads(interleave, monkeypatch):
             assert float((a - b).abs().max()) <= 1e-12 * float(b.abs().max())
 
 
-def _std_from_squares(kind, value, info, n, reduced, tp):
-    from reference_impl.truth.stores import TP_SIZES, U_ACCUM, U_BF16, error_weights
-
-    sq, operands = error_weights(kind, value, info, n, reduced, (tp,) if tp > 1 else ())
-    var = U_BF16 ** 2 * sq[0]
-    if sq[1] is not None:
-        var = var + U_ACCUM ** 2 * sq[1].reshape(value.shape)
-    if tp > 1 and sq[2 + TP_SIZES.index(tp)] is not None:
-        var = var + U_BF16 ** 2 * sq[2 + TP_SIZES.index(tp)].reshape(value.shape)
-    return var.sqrt(), operands
-
-
 @pytest.mark.parametrize("tp", [1, 2, 8])
 @pytest.mark.parametrize("kind", ["round", "act", "norm", "sum", "dot", "router", "linear", "linear_awq",
                                   "linear_exact", "combine"])
 def test_store_std_is_the_rounding_models(kind, tp):
     """The probes' per-store standard deviation (``stores.store_std``: ``hypot`` of the magnitudes, no squares)
     equals ``sqrt`` of :func:`error_weights`' weighted squares (the model the exact analysis uses) to fp64
-    rounding, row-parallel linears and the MoE combine at TPn included; the weight operands are the same."""
-    from reference_impl.truth.stores import store_std
+    rounding; the weight operands are the same. (A row-parallel linear at TPn and the MoE combine take that
+    formula itself in ``store_std``: for them this checks the dispatch.)"""
+    from reference_impl.truth.stores import error_weights, std_of_squares, store_std
 
     g = torch.Generator().manual_seed(5)
     value = torch.randn(2, 3, 8, generator=g, dtype=torch.float64)
@@ -311,7 +308,8 @@ def test_store_std_is_the_rounding_models(kind, tp):
         info = torch.rand(2, 3, 8, generator=g, dtype=torch.float64)
     for reduced in (False, True):
         got, ops = store_std(kind, value, info, 16, reduced, tp)
-        want, want_ops = _std_from_squares(kind, value, info, 16, reduced, tp)
+        sq, want_ops = error_weights(kind, value, info, 16, reduced, (tp,) if tp > 1 else ())
+        want = std_of_squares(sq, value.shape, tp)
         assert torch.allclose(got, want, rtol=1e-14, atol=0)
         assert (ops is None) == (want_ops is None)
         if ops is not None:
@@ -319,27 +317,7 @@ def test_store_std_is_the_rounding_models(kind, tp):
 
 
 def _norm_tangents(tm: TruthModel, by_hand: bool, monkeypatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Layer 0's input RMSNorm on a probed batch (2 sequences x 4 replicas), its store included: primal and
-    tangent, by hand (probe_pass._ProbedNorm) or through forward_ad."""
-    import torch.autograd.forward_ad as fwAD
-
-    import reference_impl.truth.probe_pass as probe_pass
-    from reference_impl.truth.instrument import Recorder, recording
-    from reference_impl.truth.probe_draws import Probe
-
-    with monkeypatch.context() as m, tm.layer(0) as layer, fwAD.dual_level(), torch.no_grad():
-        if not by_hand:
-            m.setattr(probe_pass, "RMS_NORM", ("not a forward body",))
-        probe = Probe(4, 5, 1, torch.Generator().manual_seed(0), sequences=2)
-        probe_pass.share_primal(layer, probe)
-        assert isinstance(layer.input_layernorm.__dict__.get("forward"), probe_pass._ProbedNorm) == by_hand
-        g = torch.Generator().manual_seed(1)
-        x1 = torch.randn(2, 5, tm.cfg.hidden_size, generator=g, dtype=torch.float64)
-        xt = torch.randn(8, 5, tm.cfg.hidden_size, generator=g, dtype=torch.float64)
-        with recording(Recorder(tm.cfg, False, {}, 0, probe=probe)):
-            y = layer.input_layernorm(fwAD.make_dual(x1.repeat_interleave(4, 0), xt))
-        p, t = fwAD.unpack_dual(y)
-        return p.clone(), t.clone()
+    return _module_tangents(tm, "input_layernorm", by_hand, monkeypatch)
 
 
 #: |tangent by hand - forward_ad's| / max |tangent|: transformers' RMSNorm runs in fp32 (its input cast), so
