@@ -27,9 +27,10 @@ import torch
 
 #: head dimensions the kernels take (a power of two, as tl.arange needs)
 HEAD_DIMS = (16, 32, 64, 128)
-#: query and key rows per block, warps per program (fp32 tiles of a 128-wide head: the tangent kernel holds four
-#: of them per query block and six per key block)
-BLOCK_M, BLOCK_N, WARPS = 64, 32, 8
+#: query and key rows per block, warps and software-pipelining stages per program (fp32 tiles of a 128-wide head:
+#: the tangent kernel holds four per query block and loads four per key block; one stage keeps the staged key
+#: tiles within a GPU's shared memory, which deeper pipelining of fp32 tiles could exceed)
+BLOCK_M, BLOCK_N, WARPS, STAGES = 64, 32, 8, 1
 
 
 def available(query: torch.Tensor) -> bool:
@@ -72,7 +73,7 @@ def probed_attention(q1, k1, v1, qt, kt, vt, scale: float, u_bf16: float, c_acc:
     m, lsum = q1.new_empty(s_, heads, t_q), q1.new_empty(s_, heads, t_q)
     grid = (triton.cdiv(t_q, bm), s_ * heads)
     common = dict(BM=bm, BN=bn, D=d)
-    launch = {} if os.environ.get("TRITON_INTERPRET") == "1" else dict(num_warps=WARPS)
+    launch = {} if os.environ.get("TRITON_INTERPRET") == "1" else dict(num_warps=WARPS, num_stages=STAGES)
     primal_kernel[grid](q1, k1, v1, m, lsum, out, pav, scale, t_q, t_k, t_k - t_q, heads,
                          *_strides3(q1), *_strides3(k1), *_strides3(v1), **common, **launch)
     kbar, ktbar = k1.mean(2).contiguous(), kt.mean(2).contiguous()  # [S, H, D], [S K, H, D]
