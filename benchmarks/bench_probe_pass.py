@@ -66,7 +66,7 @@ def measure(checkpoint: str, device: str, shapes: list[tuple[int, int]], probes:
     from reference_impl.truth.golden import ExactModel
 
     model = ExactModel(checkpoint, device)
-    plain_mlp = pass_._plain_mlp
+    plain_mlp, kernel_env = pass_._plain_mlp, os.environ.get("TRUTH_ATTENTION_KERNEL")
     g = torch.Generator().manual_seed(0)
     rows = []
     for n, t in shapes:
@@ -100,7 +100,10 @@ def measure(checkpoint: str, device: str, shapes: list[tuple[int, int]], probes:
                          "ms_per_token": 1e3 * times[1] / (n * t), "peak_gib": peak, "estimate": estimate})
             print(rows[-1], flush=True)
     pass_.TANGENT_GEMM, pass_._plain_mlp = torch.bfloat16, plain_mlp
-    os.environ.pop("TRUTH_ATTENTION_KERNEL", None)
+    if kernel_env is None:  # as it was before the modes set it
+        os.environ.pop("TRUTH_ATTENTION_KERNEL", None)
+    else:
+        os.environ["TRUTH_ATTENTION_KERNEL"] = kernel_env
     return rows
 
 

@@ -105,19 +105,22 @@ def _projection(groups: dict, flops: dict, spent_by: dict, wall: float) -> float
     return total + wall - sum(v[0] for v in spent_by.values())
 
 
-def _measure(models: dict, groups: dict, flops: dict, probes: int, precision: str, chunk: int, budget_s: float,
-             t0: float, device: str) -> tuple[dict, int, int]:
-    """The truth of ``groups`` (:func:`_interleaved` order) with ``probes`` probes until ``budget_s`` after
-    ``t0``: per group ``[seconds, floor FLOPs done]``, the sequences and tokens done."""
+def _kept_layers(models: dict, precision: str):
+    """fp32: each weight set's layers decoded and cast once for all its passes (the fp32 copies fit a GPU)."""
     import contextlib
 
     from reference_impl.truth.probes import keeping_layers
 
+    return keeping_layers(*(m.truth for m in models.values())) if precision != "fp64" else contextlib.nullcontext()
+
+
+def _measure(models: dict, groups: dict, flops: dict, probes: int, precision: str, chunk: int, budget_s: float,
+             t0: float, device: str) -> tuple[dict, int, int]:
+    """The truth of ``groups`` (:func:`_interleaved` order) with ``probes`` probes until ``budget_s`` after
+    ``t0``: per group ``[seconds, floor FLOPs done]``, the sequences and tokens done."""
     spent_by: dict[tuple[str, int], list[float]] = {}
     done, tokens, total = 0, 0, sum(len(g) for g in groups.values())
-    # fp32: each weight set's layers decoded and cast once (the fp32 copies fit a GPU)
-    keep = keeping_layers(*(m.truth for m in models.values())) if precision != "fp64" else contextlib.nullcontext()
-    with keep:
+    with _kept_layers(models, precision):
         for key, part in _interleaved(groups, chunk):
             if done and time.perf_counter() - t0 > budget_s:  # at least one chunk, whatever opening took
                 break
@@ -141,12 +144,7 @@ def _measure(models: dict, groups: dict, flops: dict, probes: int, precision: st
 def _measure_whole(models: dict, all_seqs: list, probes: int, precision: str, t0: float, device: str) -> None:
     """The truth of each weight set's sequences in one call, as the workload judge asks it (sequences of one
     length share probed passes; one fp64 sweep gives every length's values): no budget, the whole workload."""
-    import contextlib
-
-    from reference_impl.truth.probes import keeping_layers
-
-    keep = keeping_layers(*(m.truth for m in models.values())) if precision != "fp64" else contextlib.nullcontext()
-    with keep:
+    with _kept_layers(models, precision):
         for ws, model in models.items():
             pairs = [(p, c) for w, p, c in all_seqs if w == ws]
             model.teacher_forced_many(pairs, probes, precision=precision)

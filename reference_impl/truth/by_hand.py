@@ -45,8 +45,7 @@ def probed_rotary(probe, q, k, cos, sin, interleave: bool):
     replica's tangent ``rot(dx; cos, sin) + rot(x; dcos, dsin)`` (the rotation is linear in each), and the stores
     of the wrapper's forward_ad path with the same draws in the same order (the tables', then q's and k's)."""
     reps = probe.replicas
-    (qp, qt), (kp, kt) = torch.autograd.forward_ad.unpack_dual(q), torch.autograd.forward_ad.unpack_dual(k)
-    q1, k1 = qp.detach()[::reps], kp.detach()[::reps]  # [S, H, T, d]
+    (q1, qt), (k1, kt) = probe.split(q), probe.split(k)  # [S, H, T, d], [S K, H, T, d]
     n = q1.shape[0]
     with torch.no_grad():
         tables = []
@@ -64,7 +63,7 @@ def probed_rotary(probe, q, k, cos, sin, interleave: bool):
             _add_rotated(tangent, _deinterleave(x1, interleave)[:, None], dc, ds)
             mag = rotate(x1, c1, 0 * s1, interleave).abs() + rotate(x1, 0 * c1, s1, interleave).abs()
             tangent = probe.store_tangent("sum", value, tangent.view(n * reps, *x1.shape[1:]), mag, 0)
-            out.append(torch.autograd.forward_ad.make_dual(value.repeat_interleave(reps, dim=0), tangent))
+            out.append(probe.join(value, tangent))
     return tuple(out)
 
 
@@ -77,9 +76,7 @@ def probed_attention_block(probe, query, key, value, causal, scaling, keys: int)
     accumulated in place, and the softmax's ``p (t - sum p t)`` as ``(p t) @ v - (sum p t) out``. On CUDA the kernels of
     :mod:`reference_impl.truth.attention_kernel` do it without ``T^2`` tensors (:func:`probed_attention_kernel`)."""
     k = probe.replicas
-    (qp, qt), (kp, kt), (vp, vt) = (torch.autograd.forward_ad.unpack_dual(x) for x in (query, key, value))
-    qt, kt, vt = (torch.zeros_like(p) if t is None else t for p, t in ((qp, qt), (kp, kt), (vp, vt)))
-    q1, k1, v1 = qp.detach()[::k], kp.detach()[::k], vp.detach()[::k]  # [S, H, ., d]
+    (q1, k1, v1), (qt, kt, vt) = _attention_operands(probe, query, key, value)
 
     def each(t):  # [S * K, ...] -> [S, K, ...]
         return t.reshape(q1.shape[0], k, *t.shape[1:])
@@ -105,7 +102,15 @@ def probed_attention_block(probe, query, key, value, causal, scaling, keys: int)
         ot = torch.matmul(each(st), v1[:, None]) + torch.matmul(p[:, None], each(vt))
         ot -= mean * out[:, None]
         ot = probe.store_tangent("dot", out, ot.reshape(-1, *ot.shape[2:]), torch.matmul(p, v1.abs()), keys)
-    return torch.autograd.forward_ad.make_dual(out.repeat_interleave(k, dim=0), ot)
+    return probe.join(out, ot)
+
+
+def _attention_operands(probe, *duals):
+    """Each sequence's primal ``[S, H, T, d]`` of the attention's replicated duals, and their replicas' tangents
+    ``[S K, H, T, d]`` (zeros where one has none)."""
+    ones, tangents = zip(*(probe.split(x) for x in duals))
+    return ones, tuple(torch.zeros(x.shape, dtype=x.dtype, device=x.device) if t is None else t
+                       for x, t in zip(duals, tangents))
 
 
 def probed_attention_kernel(probe, query, key, value, scaling, keys: int):
@@ -115,14 +120,11 @@ def probed_attention_kernel(probe, query, key, value, scaling, keys: int):
     from reference_impl.truth import attention_kernel
     from reference_impl.truth.stores import U_ACCUM, U_BF16
 
-    k = probe.replicas
-    (qp, qt), (kp, kt), (vp, vt) = (torch.autograd.forward_ad.unpack_dual(x) for x in (query, key, value))
-    qt, kt, vt = (torch.zeros_like(p) if t is None else t for p, t in ((qp, qt), (kp, kt), (vp, vt)))
-    q1, k1, v1 = qp.detach()[::k], kp.detach()[::k], vp.detach()[::k]
+    (q1, k1, v1), (qt, kt, vt) = _attention_operands(probe, query, key, value)
     gen = probe.generator
-    seed = int(torch.randint(0, 2 ** 30, (1,), generator=gen, device=gen.device if gen is not None else qp.device))
+    seed = int(torch.randint(0, 2 ** 30, (1,), generator=gen, device=gen.device if gen is not None else q1.device))
     with torch.no_grad():
         out, pav, ot = attention_kernel.probed_attention(q1, k1, v1, qt, kt, vt, scaling, U_BF16,
                                                          U_ACCUM * (query.shape[-1] + 2), seed)
         ot = probe.store_tangent("dot", out, ot, pav, keys)
-    return torch.autograd.forward_ad.make_dual(out.repeat_interleave(k, dim=0), ot)
+    return probe.join(out, ot)

@@ -50,6 +50,16 @@ class Probe:
         k``), the replicas of a sequence sharing one primal; not so for one replica."""
         return self.replicas > 1 and x.dim() >= 3 and x.shape[0] == self.replicas * self.sequences
 
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A replicated dual ``x`` (:meth:`replicated`) as each sequence's primal ``[sequences, ...]`` (replica
+        0's rows, detached) and the replicas' tangent ``[sequences x replicas, ...]`` (None where it has none)."""
+        p, t = fwAD.unpack_dual(x)
+        return p.detach()[::self.replicas], t
+
+    def join(self, one: torch.Tensor, tangent: torch.Tensor) -> torch.Tensor:
+        """The dual of :meth:`split`: each sequence's primal ``one`` copied to its replicas, with ``tangent``."""
+        return fwAD.make_dual(one.repeat_interleave(self.replicas, dim=0), tangent)
+
     def _randn(self, shape, like: torch.Tensor) -> torch.Tensor:
         # float32 normals (3x faster to draw than fp64): their quantization (2^-24 relative) and Box-Muller's
         # float32 tail (|g| < 5.8) move the variance by < 1e-6 relative, nothing against the chi^2 spread

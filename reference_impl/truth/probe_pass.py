@@ -174,11 +174,10 @@ class _ProbedNorm:
         return self.weight * (h * r).to(x.dtype), r
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        p, t = fwAD.unpack_dual(x)
-        if t is None or not self.probe.replicated(p):
+        x1, t = self.probe.split(x)
+        if t is None or not self.probe.replicated(x):
             return self._primal(x)[0]  # forward_ad through the same operations
         k = self.probe.replicas
-        x1 = p.detach()[::k]
         with torch.no_grad():
             y1, r = self._primal(x1)
             r = r.to(x1.dtype)
@@ -186,7 +185,7 @@ class _ProbedNorm:
             m = (each * x1[:, None]).mean(-1, keepdim=True)  # mean(x t) per replica
             yt = each * (self.weight * r)[:, None]
             yt.addcmul_((self.weight * x1 * r.pow(3))[:, None], m, value=-1)
-        return fwAD.make_dual(y1.repeat_interleave(k, dim=0), yt.view(t.shape))
+        return self.probe.join(y1, yt.view(t.shape))
 
 
 class _ProbedMLP:
@@ -207,11 +206,10 @@ class _ProbedMLP:
         return out, self.probe.store_tangent(kind, out, t, (x1, w), x1.shape[-1], reduced, shared=True)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        p, xt = fwAD.unpack_dual(x)
         k = self.probe.replicas
-        if xt is None or not self.probe.replicated(p):
+        x1, xt = self.probe.split(x)
+        if xt is None or not self.probe.replicated(x):
             raise RuntimeError("the probed MLP runs on a probed pass's replicated rows only")
-        x1 = p.detach()[::k]
         g1, gt = self._linear(0, x1, xt)
         u1, ut = self._linear(1, x1, xt)
         with torch.no_grad():
@@ -223,7 +221,7 @@ class _ProbedMLP:
             # its only reader is the down GEMM: written in that GEMM's dtype (the same rounding, one pass fewer)
             ht = self.probe.store_tangent("act", h1, ht.view(s * k, *rest), None, 0, dtype=self.probe.gemm_dtype)
         y1, yt = self._linear(2, h1, ht)
-        return fwAD.make_dual(y1.repeat_interleave(k, dim=0), yt)
+        return self.probe.join(y1, yt)
 
 
 class _SharedPrimalLinear:
@@ -234,13 +232,11 @@ class _SharedPrimalLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self.weight, self.bias
-        p, tangent = fwAD.unpack_dual(x)
-        if tangent is None or not self.probe.replicated(p):
+        x1, tangent = self.probe.split(x)
+        if tangent is None or not self.probe.replicated(x):
             return torch.nn.functional.linear(x, w, b)
-        k = self.probe.replicas
-        one = torch.nn.functional.linear(p[::k], w, b)  # [S, T, N]
-        primal_out = one.repeat_interleave(k, dim=0)  # sequence s, replica r at s * k + r
-        return fwAD.make_dual(primal_out, _tangent_gemm(tangent, w, self.probe.gemm_dtype))
+        one = torch.nn.functional.linear(x1, w, b)  # [S, T, N]
+        return self.probe.join(one, _tangent_gemm(tangent, w, self.probe.gemm_dtype))
 
 
 def _tangent_gemm(tangent: torch.Tensor, w: torch.Tensor, low: torch.dtype | None,
@@ -265,13 +261,13 @@ def values_fp64(truth, batches: list[tuple[list[list[int]], list[list[int]]]]) -
             with truth.layer(i) as layer, recording(Recorder(truth.cfg, False, {}, i)):
                 xs = [truth._run(layer, x, pe) for x, pe in zip(xs, pes)]
         w = truth.lm_head()
+        rows = max(1, HEAD_ELEMENTS // w.shape[0])
         out = []
         for x, (_, targets) in zip(xs, batches):
             h = truth.final_norm(x)
             out.append([])
             for s, tg in enumerate(targets):
                 tg = torch.tensor(tg, device=w.device)
-                rows = max(1, HEAD_ELEMENTS // w.shape[0])
                 parts = []
                 for lo in range(0, h.shape[1], rows):
                     parts.append(_row_values(h[s, lo:lo + rows] @ w.T, tg[lo:lo + rows]))
