@@ -1,5 +1,6 @@
 """The Triton kernels of :mod:`reference_impl.truth.attention_kernel` (imported only where they run: Triton is a
-CUDA build's)."""
+CUDA build's). ``SCORES``: the scores' product precision (``tf32x3``, ``ieee`` or ``tf32``), the same in both
+kernels, so that the tangent kernel's probabilities are the primal kernel's."""
 import triton
 import triton.language as tl
 
@@ -8,7 +9,7 @@ import triton.language as tl
 @triton.jit(do_not_specialize=["t_q", "t_k", "off"])
 def primal_kernel(Q, K, V, M, L, O, OA, scale, t_q, t_k, off, heads,
                   sq0, sq1, sq2, sk0, sk1, sk2, sv0, sv1, sv2,
-                  BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+                  BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, SCORES: tl.constexpr):
     pid_m, b = tl.program_id(0), tl.program_id(1)
     s_, h = b // heads, b % heads
     rows = pid_m * BM + tl.arange(0, BM)
@@ -24,7 +25,7 @@ def primal_kernel(Q, K, V, M, L, O, OA, scale, t_q, t_k, off, heads,
         kmask = cols[:, None] < t_k
         k = tl.load(K + s_ * sk0 + h * sk1 + cols[:, None] * sk2 + dims[None, :], mask=kmask, other=0.0)
         v = tl.load(V + s_ * sv0 + h * sv1 + cols[:, None] * sv2 + dims[None, :], mask=kmask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        s = tl.dot(q, tl.trans(k), input_precision=SCORES) * scale
         valid = (cols[None, :] <= rows[:, None] + off) & (cols[None, :] < t_k)
         s = tl.where(valid, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -46,7 +47,7 @@ def tangent_kernel(Q, K, V, QT, KT, VT, KBAR, KTBAR, M, L, O, OT, seed, scale, u
                    heads, reps,
                    sq0, sq1, sq2, sk0, sk1, sk2, sv0, sv1, sv2,
                    sqt0, sqt1, sqt2, skt0, skt1, skt2, svt0, svt1, svt2,
-                   BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+                   BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, SCORES: tl.constexpr):
     pid_m, b, r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     s_, h = b // heads, b % heads
     rep = s_ * reps + r  # the tangents' batch row: sequence s_, replica r
@@ -74,7 +75,7 @@ def tangent_kernel(Q, K, V, QT, KT, VT, KBAR, KTBAR, M, L, O, OT, seed, scale, u
         v = tl.load(V + s_ * sv0 + h * sv1 + cols[:, None] * sv2 + dims[None, :], mask=kmask, other=0.0)
         kt = tl.load(KT + rep * skt0 + h * skt1 + cols[:, None] * skt2 + dims[None, :], mask=kmask, other=0.0)
         vt = tl.load(VT + rep * svt0 + h * svt1 + cols[:, None] * svt2 + dims[None, :], mask=kmask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        s = tl.dot(q, tl.trans(k), input_precision=SCORES) * scale
         valid = (cols[None, :] <= rows[:, None] + off) & (cols[None, :] < t_k)
         p = tl.where(valid, tl.exp(s - m[:, None]) / lsum[:, None], 0.0)
         st = (tl.dot(qt, tl.trans(k - kbar[None, :])) + tl.dot(q, tl.trans(kt - ktbar[None, :]))) * scale

@@ -22,15 +22,36 @@ compilation for one nor their speed is measured (docs/truth.md)."""
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
 #: head dimensions the kernels take (a power of two, as tl.arange needs)
 HEAD_DIMS = (16, 32, 64, 128)
-#: query and key rows per block, warps and software-pipelining stages per program (fp32 tiles of a 128-wide head:
-#: the tangent kernel holds four per query block and loads four per key block; one stage keeps the staged key
-#: tiles within a GPU's shared memory, which deeper pipelining of fp32 tiles could exceed)
-BLOCK_M, BLOCK_N, WARPS, STAGES = 64, 32, 8, 1
+
+
+class KernelConfig(NamedTuple):
+    """How the kernels run: query and key rows per block, warps and software-pipelining stages per program, and
+    the scores' product precision (Triton's ``input_precision``: ``tf32x3`` about fp32's rounding on tensor
+    cores, ``ieee`` fp32 without them, ``tf32`` 10 bits as the eager path's TF32 products). Measured by
+    ``benchmarks/bench_attention_kernel.py``; ``TRUTH_ATTENTION_CONFIG="64,32,8,1,tf32x3"`` overrides it."""
+
+    block_m: int = 64
+    block_n: int = 32
+    warps: int = 8
+    stages: int = 1
+    scores: str = "ieee"
+
+    @classmethod
+    def from_environment(cls) -> "KernelConfig":
+        text = os.environ.get("TRUTH_ATTENTION_CONFIG", "").strip()
+        if not text:
+            return cls()
+        parts = [x.strip() for x in text.split(",")]
+        if len(parts) != 5 or parts[4] not in ("ieee", "tf32", "tf32x3") or not all(x.isdigit() for x in parts[:4]):
+            raise ValueError(f"TRUTH_ATTENTION_CONFIG={text!r}: expected BLOCK_M,BLOCK_N,WARPS,STAGES,PRECISION "
+                             "(e.g. 64,32,8,1,tf32x3)")
+        return cls(*(int(x) for x in parts[:4]), parts[4])
 
 
 def available(query: torch.Tensor) -> bool:
@@ -53,11 +74,12 @@ def _strides3(x: torch.Tensor) -> tuple[int, int, int]:
 
 
 def probed_attention(q1, k1, v1, qt, kt, vt, scale: float, u_bf16: float, c_acc: float, seed: int,
-                     block: tuple[int, int] = (BLOCK_M, BLOCK_N)):
+                     config: KernelConfig | None = None):
     """``(out, pav, ot)`` of causal attention under probes: ``q1, k1, v1`` ``[S, H, T, D]`` each sequence's primal,
     ``qt, kt, vt`` ``[S K, H, T, D]`` its replicas' tangents (sequence s, replica r at ``s K + r``); ``out`` and
     ``pav = p |v|`` ``[S, H, Tq, D]``, ``ot`` ``[S K, H, Tq, D]`` the tangent before the output's store. ``u_bf16``,
-    ``c_acc``: the stores' BF16 unit and accumulation weight ``U_ACCUM (D + 2)`` (0, 0: no draws)."""
+    ``c_acc``: the stores' BF16 unit and accumulation weight ``U_ACCUM (D + 2)`` (0, 0: no draws). ``config``:
+    default :meth:`KernelConfig.from_environment`."""
     s_, heads, t_q, d = q1.shape
     t_k = k1.shape[2]
     reps = qt.shape[0] // s_
@@ -67,13 +89,15 @@ def probed_attention(q1, k1, v1, qt, kt, vt, scale: float, u_bf16: float, c_acc:
 
     from reference_impl.truth._attention_triton import primal_kernel, tangent_kernel
 
-    bm, bn = block
+    config = config or KernelConfig.from_environment()
+    bm, bn = config.block_m, config.block_n
     out = q1.new_empty(s_, heads, t_q, d)
     pav, ot = torch.empty_like(out), q1.new_empty(s_ * reps, heads, t_q, d)
     m, lsum = q1.new_empty(s_, heads, t_q), q1.new_empty(s_, heads, t_q)
     grid = (triton.cdiv(t_q, bm), s_ * heads)
-    common = dict(BM=bm, BN=bn, D=d)
-    launch = {} if os.environ.get("TRITON_INTERPRET") == "1" else dict(num_warps=WARPS, num_stages=STAGES)
+    common = dict(BM=bm, BN=bn, D=d, SCORES=config.scores)
+    launch = {} if os.environ.get("TRITON_INTERPRET") == "1" else dict(num_warps=config.warps,
+                                                                       num_stages=config.stages)
     primal_kernel[grid](q1, k1, v1, m, lsum, out, pav, scale, t_q, t_k, t_k - t_q, heads,
                          *_strides3(q1), *_strides3(k1), *_strides3(v1), **common, **launch)
     kbar, ktbar = k1.mean(2).contiguous(), kt.mean(2).contiguous()  # [S, H, D], [S K, H, D]

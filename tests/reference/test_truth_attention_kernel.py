@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from reference_impl.truth.attention_kernel import KernelConfig
+
 REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent('''
@@ -22,7 +24,10 @@ SCRIPT = textwrap.dedent('''
     import torch
     torch.set_default_device(DEVICE)
     TOL = 1e-5 if DEVICE == "cpu" else 1e-2  # fp32; on a GPU the products are TF32 (10 bits: ~1e-3 of the largest)
-    from reference_impl.truth.attention_kernel import probed_attention
+    from reference_impl.truth.attention_kernel import KernelConfig, probed_attention
+    # the interpreter: small blocks (not dividing 37); a GPU: the configuration the truth runs, at each precision
+    SMALL = (KernelConfig(16, 16, 4, 1, sys.argv[2]) if DEVICE == "cpu"
+             else KernelConfig.from_environment()._replace(scores=sys.argv[2]))
 
     def causal_softmax(q1, k1, scale):
         t_q, t_k = q1.shape[-2], k1.shape[-2]
@@ -40,7 +45,7 @@ SCRIPT = textwrap.dedent('''
     pt = p[:, None] * (st - (p[:, None] * st).sum(-1, keepdim=True))  # forward-mode's softmax tangent
     want_ot = (pt @ v1[:, None] + p[:, None] @ each(vt)).reshape(S * K, H, T, D)
     # no draws: the kernels' arithmetic against the eager formulas (fp32, blocks of 16 not dividing 37)
-    out, pav, ot = probed_attention(q1, k1, v1, qt, kt, vt, SCALE, 0.0, 0.0, 7, block=(16, 16))
+    out, pav, ot = probed_attention(q1, k1, v1, qt, kt, vt, SCALE, 0.0, 0.0, 7, config=SMALL)
     for name, got, want in (("out", out, want_out), ("p|v|", pav, want_pav), ("tangent", ot, want_ot)):
         err = float((got - want).abs().max() / want.abs().max())
         assert err < TOL, (name, err)
@@ -54,7 +59,7 @@ SCRIPT = textwrap.dedent('''
     w = (p * std) ** 2
     scores_term = w @ v ** 2 - 2 * (w @ v) * out + w.sum(-1, keepdim=True) * out ** 2  # sum p^2 std^2 (v - out)^2
     round_term = u ** 2 * (p ** 2) @ v ** 2
-    _, _, ot = probed_attention(q, k, v, z, z, z, SCALE, u, c, 11, block=(16, 16))
+    _, _, ot = probed_attention(q, k, v, z, z, z, SCALE, u, c, 11, config=SMALL)
     emp = ot.pow(2).mean(0, keepdim=True)
     for label, var in (("model", scores_term + round_term), ("no round store", scores_term),
                        ("no scores store", round_term)):
@@ -68,24 +73,26 @@ SCRIPT = textwrap.dedent('''
 @pytest.mark.skipif(os.environ.get("NVFP4_SKIP_TRITON_INTERPRETER") == "1", reason="disabled by environment")
 def test_probed_attention_kernels_under_the_interpreter() -> None:
     """The kernels' arithmetic and draws (:func:`_check`) run by Triton's CPU interpreter."""
-    _check("cpu")
+    _check("cpu", KernelConfig().scores)
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the kernels' own hardware)")
 def test_probed_attention_kernels_on_a_gpu() -> None:
-    """The same checks compiled for and run on the GPU (TF32 products: the exact comparison within 1e-2)."""
-    _check("cuda")
+    """The same checks compiled for and run on the GPU, at every scores' precision (TF32 products: the exact
+    comparison within 1e-2)."""
+    for scores in ("ieee", "tf32x3", "tf32"):
+        _check("cuda", scores)
 
 
-def _check(device: str) -> None:
+def _check(device: str, scores: str) -> None:
     """Without draws, the kernels give the eager formulas' output, ``p |v|`` and tangent to fp32 rounding. With
     draws, ``K E[ot^2] / V ~ chi^2_K`` per element: a row's mean ratio has standard deviation at most
     ``sqrt(2 / K)`` (0.091 at K = 240; a row's elements share their draws, so no less), the mean of 23
     independent rows ``sqrt(2 / K / 23)`` (0.019). Both must hold within 5 of them; the same statistic against the
     variance of a kernel without the probabilities' store, or without the scores', is far outside."""
     pytest.importorskip("triton", reason="Triton not installed (it ships with CUDA torch builds)")
-    done = subprocess.run([sys.executable, "-c", SCRIPT, device], cwd=REPO,
+    done = subprocess.run([sys.executable, "-c", SCRIPT, device, scores], cwd=REPO,
                           env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-3000:]
     stats = {line.rsplit(" ", 3)[0]: [float(x) for x in line.rsplit(" ", 3)[1:]]
