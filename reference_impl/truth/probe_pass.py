@@ -46,7 +46,10 @@ def run_pass(truth, seqs: list[list[int]], targets: list[list[int]], probes: int
             h = truth.final_norm(x).to(dtype)
         del x
         w = truth.lm_head().to(dtype)
-        out = [_head(truth, h[s * probes:(s + 1) * probes], w, targets[s], tp, gen,
+        # the head's weight as its three products read it, made once for every sequence (each is a full pass
+        # over the vocabulary's weight: per sequence they cost a short sequence's head several times over)
+        weights = (w, w.abs(), w if probe.gemm_dtype is None else w.to(probe.gemm_dtype))
+        out = [_head(truth, h[s * probes:(s + 1) * probes], weights, targets[s], tp, gen,
                      None if values is None else values[s], probe.gemm_dtype) for s in range(n)]
         for d in routes:
             gp, gt = fwAD.unpack_dual(d.gaps)
@@ -297,11 +300,13 @@ def fast_fp32(device: torch.device):
         torch.backends.cuda.matmul.allow_tf32 = before
 
 
-def _head(truth, h: torch.Tensor, w: torch.Tensor, targets: list[int], tp: int, gen, values=None,
+def _head(truth, h: torch.Tensor, weights: tuple, targets: list[int], tp: int, gen, values=None,
           gemm_dtype: torch.dtype | None = None) -> Probed:
     """The LM head (a BF16 ``dot`` store) of one sequence's replicas ``h [K, T, H]`` (dual), in chunks of rows,
-    reduced at once to the per-row statistics against ``targets``. ``values``: the rows' ``(logprob, best, gap)``
-    from the fp64 forward (the gap's estimate is then taken for that best token)."""
+    reduced at once to the per-row statistics against ``targets``. ``weights``: the head's weight, its magnitudes
+    and its copy in ``gemm_dtype`` (the tangent's product). ``values``: the rows' ``(logprob, best, gap)`` from the
+    fp64 forward (the gap's estimate is then taken for that best token)."""
+    w, w_abs, w_low = weights
     k, t, width = h.shape
     rows = max(1, HEAD_ELEMENTS // (k * w.shape[0]))
     tg = torch.tensor(targets, device=w.device)
@@ -312,8 +317,8 @@ def _head(truth, h: torch.Tensor, w: torch.Tensor, targets: list[int], tp: int, 
         c = hp.shape[1]
         p0 = (hp @ w.T)[0]                                  # the replicas' primal is one: computed once
         # the linearised head by hand (the tangent through the product, then the store's own draws)
-        store = Probe(k, c, tp, gen).perturb("dot", p0.expand(k, c, -1), lambda: hp.abs() @ w.abs().T, width, False)
-        z = fwAD.unpack_dual(store).tangent + _tangent_gemm(ht, w, gemm_dtype)
+        store = Probe(k, c, tp, gen).perturb("dot", p0.expand(k, c, -1), lambda: hp.abs() @ w_abs.T, width, False)
+        z = fwAD.unpack_dual(store).tangent + _tangent_gemm(ht, w_low, gemm_dtype).to(w.dtype)
         tc = tg[lo:lo + c]
         dz = z.gather(2, tc.expand(k, -1)[..., None])[..., 0] - (z * torch.softmax(p0, -1)).sum(-1)
         lp, best, gap = _row_values(p0, tc) if values is None else (v[lo:lo + c] for v in values)
