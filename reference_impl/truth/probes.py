@@ -47,7 +47,7 @@ import math
 
 import torch
 
-from reference_impl.truth import probe_pass
+from reference_impl.truth import pass_plan, probe_pass
 from reference_impl.truth.instrument import slot
 from reference_impl.truth.probe_draws import Probe, Probed
 from reference_impl.truth.probe_pass import keeping_layers
@@ -188,23 +188,47 @@ def _probe_sequences(truth, seqs, targets, probes, tp, seed, max_rows, dtype) ->
     for i, s in enumerate(seqs):
         by_length.setdefault(len(s), []).append(i)
     values = _values(truth, seqs, targets, by_length) if dtype != torch.float64 else {}
+    # an fp32 pass's values come from the unpadded fp64 forward: nearby lengths may share its passes, padded
+    # (reference_impl/truth/pass_plan.py); an fp64 pass's values are its own: each length alone
+    groups = (pass_plan.plan({t: len(i) for t, i in by_length.items()}, probes, max_rows) if values
+              else [(t, [t]) for t in by_length if probes * t <= max_rows])
+    grouped = {t for _, ts in groups for t in ts}
     for t, idx in sorted(by_length.items()):
-        group = max(1, min(probes, max_rows // t))  # replicas per pass
-        if group < probes:  # a long sequence: its replicas in groups, independent draws each (seeded apart)
-            for i in idx:
-                parts = [probe_pass.run_pass(truth, [seqs[i]], [targets[i]], min(group, probes - lo), tp,
-                                             seed + 7919 * (lo // group + 1), dtype, [values[i]] if values else None)[0]
-                         for lo in range(0, probes, group)]
-                out[i] = _joined(parts)
+        if t in grouped:
             continue
+        group = max(1, min(probes, max_rows // t))  # replicas per pass
+        for i in idx:  # a long sequence: its replicas in groups, independent draws each (seeded apart)
+            parts = [probe_pass.run_pass(truth, [seqs[i]], [targets[i]], min(group, probes - lo), tp,
+                                         seed + 7919 * (lo // group + 1), dtype, [values[i]] if values else None)[0]
+                     for lo in range(0, probes, group)]
+            out[i] = _joined(parts)
+    for t, lengths in sorted(groups):
+        idx = [i for length in lengths for i in by_length[length]]
         per = max(1, max_rows // (probes * t))
         for lo in range(0, len(idx), per):
             part = idx[lo:lo + per]
-            s_, t_ = [seqs[i] for i in part], [targets[i] for i in part]
-            v_ = [values[i] for i in part] if values else None
+            s_, t_ = [_padded(seqs[i], t) for i in part], [_padded(targets[i], t) for i in part]
+            v_ = [_padded_values(values[i], t) for i in part] if values else None
             for i, p in zip(part, probe_pass.run_pass(truth, s_, t_, probes, tp, seed, dtype, v_)):
-                out[i] = p
+                out[i] = _trimmed(p, len(seqs[i]))
     return out
+
+
+def _padded(ids: list[int], length: int) -> list[int]:
+    """``ids`` right-padded to ``length`` (token 0: a padded position never reaches a real one)."""
+    return list(ids) + [0] * (length - len(ids))
+
+
+def _padded_values(values: tuple, length: int) -> tuple:
+    return tuple(torch.cat([v, v.new_zeros(length - len(v))]) for v in values)
+
+
+def _trimmed(p: Probed, length: int) -> Probed:
+    """A padded sequence's probes at its own positions."""
+    if len(p.logprob) == length:
+        return p
+    return Probed(p.logprob[:length], p.logprob_var[:length], p.best[:length], p.gap[:length], p.gap_var[:length],
+                  p.probes, [(d, gaps[:length], var[:length]) for d, gaps, var in p.routes])
 
 
 def _values(truth, seqs, targets, by_length: dict[int, list[int]]) -> dict[int, tuple]:

@@ -13,6 +13,7 @@ import torch
 
 import reference_impl.truth.by_hand as by_hand
 import reference_impl.truth.instrument as instrument
+import reference_impl.truth.pass_plan as pass_plan
 import reference_impl.truth.probes as probes
 from reference_impl.truth.engine import Output, Request, TruthModel
 
@@ -35,7 +36,9 @@ def _sequences(tm: TruthModel, lengths=(40, 40, 90)):
 def _largest_change(tm: TruthModel) -> float:
     seqs, targets = _sequences(tm)
     r64 = probes.probe_sequences(tm, seqs, targets, 16, seed=3)
-    r32 = probes.probe_sequences(tm, seqs, targets, 16, seed=3, precision="fp32")
+    with pytest.MonkeyPatch.context() as mp:  # each length its own passes, as fp64's: the draws paired
+        mp.setattr(pass_plan, "PASS_OVERHEAD_ROWS", 0)
+        r32 = probes.probe_sequences(tm, seqs, targets, 16, seed=3, precision="fp32")
     worst = 0.0
     for a, b in zip(r64, r32):
         # the values come from the fp64 forward in both
