@@ -66,7 +66,7 @@ def tangent_kernel(Q, K, V, QT, KT, VT, KBAR, KTBAR, M, L, O, OT, seed, scale, u
     lsum = tl.load(L + b * t_q + rows, mask=rmask, other=1.0)
     acc = tl.zeros((BM, D), tl.float32)
     acc_sum = tl.zeros((BM,), tl.float32)
-    stream = seed + 2 * (b * reps + r)  # its own Philox streams for z1 and z2
+    stream = seed + b * reps + r  # its own Philox stream
     hi = tl.minimum(t_k, off + (pid_m + 1) * BM)
     for start in range(0, hi, BN):
         cols = start + tl.arange(0, BN)
@@ -82,9 +82,12 @@ def tangent_kernel(Q, K, V, QT, KT, VT, KBAR, KTBAR, M, L, O, OT, seed, scale, u
         info = tl.dot(q_abs, tl.trans(tl.abs(k))) * scale
         a, c = u_bf16 * s, c_acc * info
         at = rows[:, None] * t_k + cols[None, :]
-        pt = p * (st + tl.sqrt(a * a + c * c) * tl.randn(stream, at))  # the scores' store, then p t
+        # both stores' normals from one Philox call per element (Box-Muller's pair: independent)
+        r0, r1, _, _ = tl.randint4x(stream, at)
+        z1, z2 = tl.pair_uniform_to_normal(tl.uint_to_uniform_float(r0), tl.uint_to_uniform_float(r1))
+        pt = p * (st + tl.sqrt(a * a + c * c) * z1)  # the scores' store, then p t
         acc_sum += tl.sum(pt, 1)
-        w = pt + u_bf16 * p * tl.randn(stream + 1, at)  # the probabilities' store (|p| = p)
+        w = pt + u_bf16 * p * z2  # the probabilities' store (|p| = p)
         acc += tl.dot(w, v) + tl.dot(p, vt)
     o = tl.load(O + b * t_q * D + rows[:, None] * D + dims[None, :], mask=rmask[:, None], other=0.0)
     ot = acc - acc_sum[:, None] * o  # p (t - sum p t) v: the softmax's tangent
