@@ -57,13 +57,12 @@ def tangent_kernel(Q, K, V, QT, KT, VT, KBAR, KTBAR, M, L, O, OT, seed, scale, u
     q = tl.load(Q + s_ * sq0 + h * sq1 + rows[:, None] * sq2 + dims[None, :], mask=rmask[:, None], other=0.0)
     qt = tl.load(QT + rep * sqt0 + h * sqt1 + rows[:, None] * sqt2 + dims[None, :], mask=rmask[:, None],
                  other=0.0)
-    q_abs = tl.abs(q)
     # the keys and key tangents centred over the keys for the scores' tangent (a row's constant leaves the
     # softmax's tangent as it is; a shared mean would enter each TF32 product at full size)
     kbar = tl.load(KBAR + b * D + dims)
     ktbar = tl.load(KTBAR + (rep * heads + h) * D + dims)
     m = tl.load(M + b * t_q + rows, mask=rmask, other=0.0)
-    lsum = tl.load(L + b * t_q + rows, mask=rmask, other=1.0)
+    inv_l = 1.0 / tl.load(L + b * t_q + rows, mask=rmask, other=1.0)
     acc = tl.zeros((BM, D), tl.float32)
     acc_sum = tl.zeros((BM,), tl.float32)
     stream = seed + b * reps + r  # its own Philox stream
@@ -77,9 +76,9 @@ def tangent_kernel(Q, K, V, QT, KT, VT, KBAR, KTBAR, M, L, O, OT, seed, scale, u
         vt = tl.load(VT + rep * svt0 + h * svt1 + cols[:, None] * svt2 + dims[None, :], mask=kmask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=SCORES) * scale
         valid = (cols[None, :] <= rows[:, None] + off) & (cols[None, :] < t_k)
-        p = tl.where(valid, tl.exp(s - m[:, None]) / lsum[:, None], 0.0)
+        p = tl.where(valid, tl.exp(s - m[:, None]) * inv_l[:, None], 0.0)
         st = (tl.dot(qt, tl.trans(k - kbar[None, :])) + tl.dot(q, tl.trans(kt - ktbar[None, :]))) * scale
-        info = tl.dot(q_abs, tl.trans(tl.abs(k))) * scale
+        info = tl.dot(tl.abs(q), tl.trans(tl.abs(k))) * scale  # |q| made per block: one tile fewer held
         a, c = u_bf16 * s, c_acc * info
         at = rows[:, None] * t_k + cols[None, :]
         # both stores' normals from one Philox call per element (Box-Muller's pair: independent)
