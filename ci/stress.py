@@ -53,7 +53,7 @@ sys.path.insert(0, str(REPO))  # this checkout's suite, installed or not
 
 # private: the name of the JUnit property the expectations plugin gives a test a non-strict [[xfail]] entry covers
 # (one source for the plugin that writes it and this script that reads it back from the vLLM stage's report)
-from conformance._framework.expectations import WHY_NOT_STRICT_PROPERTY  # noqa: E402
+from conformance.testing import WHY_NOT_STRICT_PROPERTY  # noqa: E402
 # pytest-repeat renames the node ([...-1-50]), so the case is selected by -k, not by its node id
 DETERMINISM_FILE = "conformance/moe/test_moe.py"
 DETERMINISM_K = "test_moe_matches_reference and flashinfer-cute-dsl-t128_e8_k2_geglu"

@@ -12,13 +12,17 @@ change without notice; docs/ cite these names only.
   and ``summary.json`` describe them.
 * :func:`as_params`: parametrize a test over cases (anything with an ``id`` and a ``tier``): one ``pytest.param``
   each, with its id and its tier marker (duplicate ids and unknown tiers rejected).
+* :data:`ENTRY_PROPERTY` / :data:`REASON_PROPERTY` / :data:`WHY_NOT_STRICT_PROPERTY`: the JUnit ``<property>``
+  names a test covered by an expectation-file entry carries (docs/reports.md), for report readers.
 """
 from __future__ import annotations
 
 from conformance._framework.cases import as_params
+from conformance._framework.expectations import ENTRY_PROPERTY, REASON_PROPERTY, WHY_NOT_STRICT_PROPERTY
 from conformance._framework.reporting import record_tensors
 from conformance._framework.selection import Builtin, register
 from conformance._framework.snapshots import Approx
 from conformance._framework.tiers import Gpu, Hardware, detect_hardware
 
-__all__ = ["Approx", "Builtin", "Gpu", "Hardware", "as_params", "detect_hardware", "record_tensors", "register"]
+__all__ = ["ENTRY_PROPERTY", "REASON_PROPERTY", "WHY_NOT_STRICT_PROPERTY", "Approx", "Builtin", "Gpu", "Hardware",
+           "as_params", "detect_hardware", "record_tensors", "register"]
