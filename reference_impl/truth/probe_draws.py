@@ -134,7 +134,8 @@ class Probe:
         by_replica = noise.view(self.sequences, k, self.tokens, -1)  # [S, K, T, N]
         for lo in range(0, k, group):
             draws = self._draw((min(group, k - lo), *w_abs.shape), w_abs, low).mul_(sigma)
-            by_replica[:, lo:lo + draws.shape[0]] += torch.einsum("stc,knc->sktn", xl, draws)
+            for j in range(draws.shape[0]):  # [S, T, N] products in the rows' own layout: a coalesced add
+                by_replica[:, lo + j] += xl @ draws[j].T
         if w_awq is not None:  # the AWQ input x * pre_quant_scale rounded: one variable per element
             by_replica += (U_BF16 * x3.abs()[:, None] * self._randn((self.sequences, k, *x3.shape[1:]), x3)) @ w_awq.T
 
