@@ -168,8 +168,9 @@ def probe_sequences(truth, seqs: list[list[int]], targets: list[list[int]], prob
                     seed: int = 0, max_rows: int | None = None, precision: str = "fp64") -> list[Probed]:
     """Forward-mode probes of each sequence through ``truth`` (a :class:`reference_impl.truth.engine.TruthModel`),
     judged against ``targets`` (one token per position): sequences of equal length share a pass (at most
-    ``max_rows`` rows), the layers one at a time (weights streamed once per pass), ``probes`` replicas of each.
-    The draws depend on ``seed`` and the batching. ``precision``: :data:`PRECISIONS`."""
+    ``max_rows`` rows; in fp32 also sequences of nearby lengths, right-padded: reference_impl/truth/pass_plan.py),
+    the layers one at a time (weights streamed once per pass), ``probes`` replicas of each. The draws depend on
+    ``seed`` and the batching. ``precision``: :data:`PRECISIONS`."""
     if precision not in PRECISIONS:
         raise ValueError(f"probe precision {precision!r}: one of {', '.join(PRECISIONS)}")
     if precision != "fp64" and truth.cfg.top_k:
