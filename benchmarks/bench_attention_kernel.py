@@ -15,28 +15,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
+from unittest import mock
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch
-import torch.autograd.forward_ad as fwAD
+import torch  # noqa: E402
+import torch.autograd.forward_ad as fwAD  # noqa: E402
 
-
-def _timed(run, device: str) -> tuple[float, float, object]:
-    """(first call's seconds, second call's seconds, second call's result)."""
-    times, out = [], None
-    for _ in range(2):
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out = run()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return times[0], times[1], out
+from benchmarks.bench_probe_pass import _twice  # noqa: E402
 
 
 def _eager(q1, k1, v1, qt, kt, vt, scale: float, reps: int):
@@ -46,32 +34,11 @@ def _eager(q1, k1, v1, qt, kt, vt, scale: float, reps: int):
 
     gen = torch.Generator(device=q1.device).manual_seed(1)
     probe = Probe(reps, q1.shape[2], generator=gen, sequences=q1.shape[0])
-    saved = os.environ.get("TRUTH_ATTENTION_KERNEL")
-    os.environ["TRUTH_ATTENTION_KERNEL"] = "0"
-    try:
-        with fwAD.dual_level(), instrument.recording(instrument.Recorder(None, False, probe=probe)):
-            duals = [probe.join(a, b) for a, b in ((q1, qt), (k1, kt), (v1, vt))]
-            out, _ = instrument.truth_attention(None, *duals, None, scale)
-            return fwAD.unpack_dual(out).tangent
-    finally:
-        if saved is None:
-            os.environ.pop("TRUTH_ATTENTION_KERNEL", None)
-        else:
-            os.environ["TRUTH_ATTENTION_KERNEL"] = saved
-
-
-def _parse_config(text: str):
-    from reference_impl.truth.attention_kernel import KernelConfig
-
-    saved = os.environ.get("TRUTH_ATTENTION_CONFIG")
-    os.environ["TRUTH_ATTENTION_CONFIG"] = text
-    try:
-        return KernelConfig.from_environment()
-    finally:
-        if saved is None:
-            os.environ.pop("TRUTH_ATTENTION_CONFIG", None)
-        else:
-            os.environ["TRUTH_ATTENTION_CONFIG"] = saved
+    with mock.patch.dict(os.environ, {"TRUTH_ATTENTION_KERNEL": "0"}), fwAD.dual_level(), \
+            instrument.recording(instrument.Recorder(None, False, probe=probe)):
+        duals = [probe.join(a, b) for a, b in ((q1, qt), (k1, kt), (v1, vt))]
+        out, _ = instrument.truth_attention(None, *duals, None, scale)
+        return fwAD.unpack_dual(out).tangent
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -88,7 +55,8 @@ def main(argv: list[str] | None = None) -> None:
     from reference_impl.truth import attention_kernel as ak
     from reference_impl.truth.stores import U_ACCUM, U_BF16
 
-    configs = [ak.KernelConfig.from_environment()] + [_parse_config(c) for c in args.configs.split(";") if c.strip()]
+    configs = [ak.KernelConfig.from_environment()] + [ak.KernelConfig.parse(c) for c in args.configs.split(";")
+                                                      if c.strip()]
     print(f"| length | path | config | first s | s per call | x {args.layers} layers s | eager / this "
           "| max rel. diff (no draws) | peak GiB |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -100,8 +68,9 @@ def main(argv: list[str] | None = None) -> None:
         scale = d ** -0.5
         eager_s = float("nan")
         if not args.no_eager:
-            torch.cuda.reset_peak_memory_stats() if args.device.startswith("cuda") else None
-            first, eager_s, _ = _timed(lambda: _eager(q1, k1, v1, qt, kt, vt, scale, k), args.device)
+            if args.device.startswith("cuda"):
+                torch.cuda.reset_peak_memory_stats()
+            (first, eager_s), _ = _twice(args.device, lambda: _eager(q1, k1, v1, qt, kt, vt, scale, k))
             print(f"| {t} | eager | | {first:.3f} | {eager_s:.3f} | {eager_s * args.layers:.1f} | 1.00 | | "
                   f"{_peak(args.device)} |", flush=True)
         reference = None
@@ -109,8 +78,8 @@ def main(argv: list[str] | None = None) -> None:
             if args.device.startswith("cuda"):
                 torch.cuda.reset_peak_memory_stats()
             try:
-                first, per, _ = _timed(lambda: ak.probed_attention(q1, k1, v1, qt, kt, vt, scale, U_BF16,
-                                                                    U_ACCUM * (d + 2), 7, config=cfg), args.device)
+                (first, per), _ = _twice(args.device, lambda: ak.probed_attention(
+                    q1, k1, v1, qt, kt, vt, scale, U_BF16, U_ACCUM * (d + 2), 7, config=cfg))
                 _, ot = ak.probed_attention(q1, k1, v1, qt, kt, vt, scale, 0.0, 0.0, 7, config=cfg)[::2]
             except Exception as exc:  # a configuration the GPU cannot run (shared memory, registers): say so
                 print(f"| {t} | kernel | {','.join(map(str, cfg))} | failed: {type(exc).__name__}: "

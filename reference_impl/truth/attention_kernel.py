@@ -14,7 +14,8 @@ computes in eager passes over ``[S, K, H, Tq, Tk]`` tensors (a long prefill's co
 The output's own store (``dot`` over the sequence's keys) is the eager one (:meth:`Probe.store_tangent`). The
 draws are Triton's Philox normals, seeded from the probe's generator (one seed per call; one stream per sequence,
 head and replica), not the eager path's: the same distribution, other numbers. fp32 products run in TF32, as the
-eager path's on CUDA, but the scores that feed the softmax (``ieee``: both kernels compute them alike).
+eager path's on CUDA, but the scores that feed the softmax: in :attr:`KernelConfig.scores`' precision, the same in
+both kernels.
 
 Off unless ``TRUTH_ATTENTION_KERNEL=1``: their arithmetic and draws are checked under Triton's CPU interpreter
 and on a GPU (tests/reference/test_truth_attention_kernel.py), but in their first configuration they were slower
@@ -43,15 +44,22 @@ class KernelConfig(NamedTuple):
     scores: str = "ieee"
 
     @classmethod
-    def from_environment(cls) -> "KernelConfig":
-        text = os.environ.get("TRUTH_ATTENTION_CONFIG", "").strip()
-        if not text:
-            return cls()
+    def parse(cls, text: str) -> "KernelConfig":
+        """``"BLOCK_M,BLOCK_N,WARPS,STAGES,PRECISION"`` (e.g. ``64,32,8,1,tf32x3``) as a configuration."""
         parts = [x.strip() for x in text.split(",")]
         if len(parts) != 5 or parts[4] not in ("ieee", "tf32", "tf32x3") or not all(x.isdigit() for x in parts[:4]):
-            raise ValueError(f"TRUTH_ATTENTION_CONFIG={text!r}: expected BLOCK_M,BLOCK_N,WARPS,STAGES,PRECISION "
-                             "(e.g. 64,32,8,1,tf32x3)")
+            raise ValueError(f"attention kernel configuration {text!r}: expected BLOCK_M,BLOCK_N,WARPS,STAGES,"
+                             "PRECISION (e.g. 64,32,8,1,tf32x3)")
         return cls(*(int(x) for x in parts[:4]), parts[4])
+
+    @classmethod
+    def from_environment(cls) -> "KernelConfig":
+        """``TRUTH_ATTENTION_CONFIG``'s configuration (:meth:`parse`), the default where it is unset."""
+        text = os.environ.get("TRUTH_ATTENTION_CONFIG", "").strip()
+        try:
+            return cls.parse(text) if text else cls()
+        except ValueError as exc:
+            raise ValueError(f"TRUTH_ATTENTION_CONFIG: {exc}") from None
 
 
 def available(query: torch.Tensor) -> bool:
