@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.autograd.forward_ad as fwAD
 
-from reference_impl.truth import instrument
+from reference_impl.truth import instrument, store_kernel
 from reference_impl.truth.stores import TP_SIZES, U_BF16, covering_tp, store_std
 
 #: weight-rounding draws made at once (fp64 elements: 2 GiB): a large model's replicas are drawn in groups
@@ -44,6 +44,7 @@ class Probe:
         self.generator = generator
         #: the dtype of the tangents' GEMMs (None: the primal's); see :data:`reference_impl.truth.probe_pass.TANGENT_GEMM`
         self.gemm_dtype: torch.dtype | None = None
+        self._keys = store_kernel.Keys(generator, torch.device("cuda"))  # used only by the kernel (CUDA)
 
     def replicated(self, x: torch.Tensor) -> bool:
         """Whether ``x`` is laid out ``[sequences x replicas, ...]`` (sequence s, replica k at ``s * replicas +
@@ -105,6 +106,12 @@ class Probe:
 
     def _tangent(self, kind, one, upstream, shape, info, n, reduced, batched, shared, dtype=None) -> torch.Tensor:
         std, operands = store_std(kind, one, info, n, reduced, self.tp)
+        if std.shape == one.shape and store_kernel.available(one, std, shape[0]):
+            # the draw and add in one pass (CUDA fp32; same distribution, other numbers)
+            noise = store_kernel.draw_add(upstream, std, shape[0], dtype or one.dtype, self._keys()).view(shape)
+            if operands is not None:
+                self._add_weight_tangent(noise, operands, info, shared)
+            return noise
         noise = self._randn(shape, one)
         if batched:  # [S, ...] against [S * K, ...]
             std = std[:, None]
