@@ -1,9 +1,10 @@
 """Time per judged token of the truth's probed passes (reference_impl/truth/probes.py) by precision, measured in
 the same run on the same sequences: the fp64 forward of the values alone (``values``), fp64, fp32 with BF16
 tangent GEMMs (the default of ``fp32``) and with TF32 ones, with the dense MLP through forward_ad instead of by
-hand (``fp32-bf16-fwad-mlp``; the speed column's baseline when fp64 is not run), and with the probed attention by
-the CUDA kernels instead of eager passes (``fp32-bf16-attention-kernel``, ``TRUTH_ATTENTION_KERNEL=1``; the last
-column: its summed variance estimates against the default's, other draws of the same distribution), each with the
+hand (``fp32-bf16-fwad-mlp``; the speed column's baseline when fp64 is not run), with the probed attention by
+the CUDA kernels instead of eager passes (``fp32-bf16-attention-kernel``, ``TRUTH_ATTENTION_KERNEL=1``) and with
+each store's draw and add by the CUDA kernel (``fp32-bf16-store-kernel``, ``TRUTH_STORE_KERNEL=1``; the last
+column: the summed variance estimates against the default's, other draws of the same distribution), each with the
 decoder layers kept between passes (``keeping_layers``; the first pass, which builds them, timed apart).
 Optionally the GPU time by kernel of one fp32 pass (``--profile``).
 
@@ -18,6 +19,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -66,7 +68,7 @@ def measure(checkpoint: str, device: str, shapes: list[tuple[int, int]], probes:
     from reference_impl.truth.golden import ExactModel
 
     model = ExactModel(checkpoint, device)
-    plain_mlp, kernel_env = pass_._plain_mlp, os.environ.get("TRUTH_ATTENTION_KERNEL")
+    plain_mlp = pass_._plain_mlp
     g = torch.Generator().manual_seed(0)
     rows = []
     for n, t in shapes:
@@ -79,15 +81,18 @@ def measure(checkpoint: str, device: str, shapes: list[tuple[int, int]], probes:
             else:
                 precision, gemm = {"fp64": ("fp64", None), "fp32-bf16": ("fp32", torch.bfloat16),
                                    "fp32-tf32": ("fp32", None), "fp32-bf16-fwad-mlp": ("fp32", torch.bfloat16),
-                                   "fp32-bf16-attention-kernel": ("fp32", torch.bfloat16)}[mode]
-                # attention-kernel: the probed attention by the CUDA kernels (reference_impl/truth/attention_kernel.py)
-                os.environ["TRUTH_ATTENTION_KERNEL"] = "1" if mode.endswith("attention-kernel") else "0"
+                                   "fp32-bf16-attention-kernel": ("fp32", torch.bfloat16),
+                                   "fp32-bf16-store-kernel": ("fp32", torch.bfloat16)}[mode]
+                # the CUDA kernels (reference_impl/truth/attention_kernel.py, store_kernel.py) in their modes only
+                kernels = {"TRUTH_ATTENTION_KERNEL": "1" if mode.endswith("attention-kernel") else "0",
+                           "TRUTH_STORE_KERNEL": "1" if mode.endswith("store-kernel") else "0"}
                 pass_.TANGENT_GEMM = gemm
                 # fwad-mlp: the dense MLP through forward_ad, not by hand (what probe_pass._ProbedMLP saves)
                 pass_._plain_mlp = (lambda cls: False) if mode.endswith("fwad-mlp") else plain_mlp
                 if device.startswith("cuda"):
                     torch.cuda.reset_peak_memory_stats()
-                with P.keeping_layers(model.truth, dtype=torch.float64 if precision == "fp64" else torch.float32):
+                with mock.patch.dict(os.environ, kernels), \
+                        P.keeping_layers(model.truth, dtype=torch.float64 if precision == "fp64" else torch.float32):
                     # the first builds (and keeps) the layers
                     times, res = _twice(device, lambda: P.probe_sequences(model.truth, seqs, targets, probes,
                                                                           precision=precision, max_rows=max_rows))
@@ -100,10 +105,6 @@ def measure(checkpoint: str, device: str, shapes: list[tuple[int, int]], probes:
                          "ms_per_token": 1e3 * times[1] / (n * t), "peak_gib": peak, "estimate": estimate})
             print(rows[-1], flush=True)
     pass_.TANGENT_GEMM, pass_._plain_mlp = torch.bfloat16, plain_mlp
-    if kernel_env is None:  # as it was before the modes set it
-        os.environ.pop("TRUTH_ATTENTION_KERNEL", None)
-    else:
-        os.environ["TRUTH_ATTENTION_KERNEL"] = kernel_env
     return rows
 
 
