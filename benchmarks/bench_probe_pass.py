@@ -3,8 +3,9 @@ the same run on the same sequences: the fp64 forward of the values alone (``valu
 tangent GEMMs (the default of ``fp32``) and with TF32 ones, with the dense MLP through forward_ad instead of by
 hand (``fp32-bf16-fwad-mlp``; the speed column's baseline when fp64 is not run), with the probed attention by
 the CUDA kernels instead of eager passes (``fp32-bf16-attention-kernel``, ``TRUTH_ATTENTION_KERNEL=1``) and with
-each store's draw and add by the CUDA kernel (``fp32-bf16-store-kernel``, ``TRUTH_STORE_KERNEL=1``; the last
-column: the summed variance estimates against the default's, other draws of the same distribution), each with the
+each store's draw and add by the CUDA kernel (``fp32-bf16-store-kernel``, ``TRUTH_STORE_KERNEL=1``, the truth's
+default on CUDA; every other mode draws eagerly; the last column: the summed variance estimates against
+``fp32-bf16``'s, other draws of the same distribution), each with the
 decoder layers kept between passes (``keeping_layers``; the first pass, which builds them, timed apart).
 Optionally the GPU time by kernel of one fp32 pass (``--profile``).
 

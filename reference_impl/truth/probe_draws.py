@@ -108,10 +108,12 @@ class Probe:
         std, operands = store_std(kind, one, info, n, reduced, self.tp)
         if std.shape == one.shape and store_kernel.available(one, std, shape[0]):
             # the draw and add in one pass (CUDA fp32; same distribution, other numbers)
-            noise = store_kernel.draw_add(upstream, std, shape[0], dtype or one.dtype, self._keys()).view(shape)
-            if operands is not None:
-                self._add_weight_tangent(noise, operands, info, shared)
-            return noise
+            noise = store_kernel.try_draw_add(upstream, std, shape[0], dtype or one.dtype, self._keys())
+            if noise is not None:
+                noise = noise.view(shape)
+                if operands is not None:
+                    self._add_weight_tangent(noise, operands, info, shared)
+                return noise
         noise = self._randn(shape, one)
         if batched:  # [S, ...] against [S * K, ...]
             std = std[:, None]
