@@ -44,7 +44,7 @@ class Probe:
         self.generator = generator
         #: the dtype of the tangents' GEMMs (None: the primal's); see :data:`reference_impl.truth.probe_pass.TANGENT_GEMM`
         self.gemm_dtype: torch.dtype | None = None
-        self._keys = store_kernel.Keys(generator, torch.device("cuda"))  # used only by the kernel (CUDA)
+        self._keys = store_kernel.Keys(generator)  # the store kernel's (CUDA only)
 
     def replicated(self, x: torch.Tensor) -> bool:
         """Whether ``x`` is laid out ``[sequences x replicas, ...]`` (sequence s, replica k at ``s * replicas +
@@ -106,27 +106,27 @@ class Probe:
 
     def _tangent(self, kind, one, upstream, shape, info, n, reduced, batched, shared, dtype=None) -> torch.Tensor:
         std, operands = store_std(kind, one, info, n, reduced, self.tp)
+        noise = None
         if std.shape == one.shape and store_kernel.available(one, std, shape[0]):
-            # the draw and add in one pass (CUDA fp32; same distribution, other numbers)
-            noise = store_kernel.try_draw_add(upstream, std, shape[0], dtype or one.dtype, self._keys())
-            if noise is not None:
-                noise = noise.view(shape)
-                if operands is not None:
-                    self._add_weight_tangent(noise, operands, info, shared)
-                return noise
+            # the draw and add in one pass (CUDA fp32; same distribution, other numbers); None: eager after all
+            noise = store_kernel.try_draw_add(upstream, std, shape[0], dtype or one.dtype, self._keys(one.device))
+        if noise is None:
+            noise = self._draw_add(one, upstream, std, shape, batched, dtype)
+        noise = noise.view(shape)
+        if operands is not None:
+            self._add_weight_tangent(noise, operands, info, shared)
+        return noise
+
+    def _draw_add(self, one, upstream, std, shape, batched, dtype) -> torch.Tensor:
+        """``upstream + std z`` eagerly: the normals drawn from the generator, then added."""
         noise = self._randn(shape, one)
         if batched:  # [S, ...] against [S * K, ...]
             std = std[:, None]
             noise = noise.view(one.shape[0], self.replicas, *one.shape[1:])
         if upstream is not None:  # noise * std + upstream in one pass
             out = noise if dtype in (None, noise.dtype) else torch.empty(noise.shape, dtype=dtype, device=noise.device)
-            noise = torch.addcmul(upstream.reshape(noise.shape), noise, std, out=out)
-        else:
-            noise.mul_(std)
-        noise = noise.view(shape)
-        if operands is not None:
-            self._add_weight_tangent(noise, operands, info, shared)
-        return noise
+            return torch.addcmul(upstream.reshape(noise.shape), noise, std, out=out)
+        return noise.mul_(std)
 
     def _add_weight_tangent(self, noise: torch.Tensor, operands, info, shared: bool) -> None:
         """``noise += `` the weight terms (:meth:`_weight_tangent`); a dense linear's group by group, in place (no

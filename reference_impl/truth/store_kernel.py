@@ -48,12 +48,13 @@ class Keys:
     """Philox keys, one per call: the first drawn from ``generator`` when first asked for (one device read per
     probed pass, not per store), then counted up."""
 
-    def __init__(self, generator: torch.Generator | None, device: torch.device):
-        self.generator, self.device, self.next = generator, device, None
+    def __init__(self, generator: torch.Generator | None):
+        self.generator, self.next = generator, None
 
-    def __call__(self) -> int:
+    def __call__(self, device: torch.device) -> int:
+        """The next key; the first drawn on ``generator``'s device, or on ``device`` (the default generator's)."""
         if self.next is None:
-            dev = self.generator.device if self.generator is not None else self.device
+            dev = self.generator.device if self.generator is not None else device
             self.next = KEY_BASE + int(torch.randint(0, 2 ** 30, (1,), generator=self.generator, device=dev))
         key, self.next = self.next, self.next + 1
         return key
