@@ -24,7 +24,7 @@ if __package__ in (None, ""):
 import torch  # noqa: E402
 import torch.autograd.forward_ad as fwAD  # noqa: E402
 
-from benchmarks.bench_probe_pass import _twice  # noqa: E402
+from benchmarks.timing import wall_times  # noqa: E402
 
 
 def _eager(q1, k1, v1, qt, kt, vt, scale: float, reps: int):
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
         if not args.no_eager:
             if args.device.startswith("cuda"):
                 torch.cuda.reset_peak_memory_stats()
-            (first, eager_s), _ = _twice(args.device, lambda: _eager(q1, k1, v1, qt, kt, vt, scale, k))
+            (first, eager_s), _ = wall_times(args.device, lambda: _eager(q1, k1, v1, qt, kt, vt, scale, k))
             print(f"| {t} | eager | | {first:.3f} | {eager_s:.3f} | {eager_s * args.layers:.1f} | 1.00 | | "
                   f"{_peak(args.device)} |", flush=True)
         reference = None
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
             if args.device.startswith("cuda"):
                 torch.cuda.reset_peak_memory_stats()
             try:
-                (first, per), _ = _twice(args.device, lambda: ak.probed_attention(
+                (first, per), _ = wall_times(args.device, lambda: ak.probed_attention(
                     q1, k1, v1, qt, kt, vt, scale, U_BF16, U_ACCUM * (d + 2), 7, config=cfg))
                 _, ot = ak.probed_attention(q1, k1, v1, qt, kt, vt, scale, 0.0, 0.0, 7, config=cfg)[::2]
             except Exception as exc:  # a configuration the GPU cannot run (shared memory, registers): say so

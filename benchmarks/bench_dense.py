@@ -23,16 +23,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.timing import synchronize as _sync  # noqa: E402
 from conformance.perf import measure as perf  # noqa: E402
 from conformance.adapters.reference.kernel import ReferenceBackend  # noqa: E402
 from reference_impl.dense import w4a16_linear_exact  # noqa: E402
 
 TINY_SHAPES = ((256, 256), (512, 256), (320, 1024))
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def peak_extra_bytes(fn, device: torch.device) -> int | None:

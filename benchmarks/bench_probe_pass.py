@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 from unittest import mock
 
@@ -27,22 +26,7 @@ if __package__ in (None, ""):
 
 import torch
 
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def _twice(device: str, run) -> tuple[list[float], object]:
-    """The wall times of two calls of ``run`` (the device synchronised around each), and the last one's result."""
-    times, out = [], None
-    for _ in range(2):
-        _sync(device)
-        t0 = time.perf_counter()
-        out = run()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return times, out
+from benchmarks.timing import synchronize as _sync, wall_times  # noqa: E402
 
 
 def _profile(device: str, run, rows: int = 20) -> None:
@@ -77,7 +61,7 @@ def measure(checkpoint: str, device: str, shapes: list[tuple[int, int]], probes:
         targets = [s[1:] + [s[0]] for s in seqs]
         for mode in modes:
             if mode == "values":  # the fp64 forward an fp32 pass takes its values from, alone
-                times, _ = _twice(device, lambda: pass_.values_fp64(model.truth, [(seqs, targets)]))
+                times, _ = wall_times(device, lambda: pass_.values_fp64(model.truth, [(seqs, targets)]))
                 estimate = float("nan")
             else:
                 precision, gemm = {"fp64": ("fp64", None), "fp32-bf16": ("fp32", torch.bfloat16),
@@ -95,7 +79,7 @@ def measure(checkpoint: str, device: str, shapes: list[tuple[int, int]], probes:
                 with mock.patch.dict(os.environ, kernels), \
                         P.keeping_layers(model.truth, dtype=torch.float64 if precision == "fp64" else torch.float32):
                     # the first builds (and keeps) the layers
-                    times, res = _twice(device, lambda: P.probe_sequences(model.truth, seqs, targets, probes,
+                    times, res = wall_times(device, lambda: P.probe_sequences(model.truth, seqs, targets, probes,
                                                                           precision=precision, max_rows=max_rows))
                     estimate = float(sum(r.logprob_var.sum() for r in res))  # (the draws differ by mode)
                     if profile and mode == "fp32-bf16":
