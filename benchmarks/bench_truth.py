@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import resource
 import subprocess
@@ -232,6 +233,9 @@ def main() -> None:
                          "every sequence takes all its probes)")
     ap.add_argument("--compare-precision", action="store_true",
                     help="--workload: first measure the fp32 estimates' change against fp64 from the same draws")
+    ap.add_argument("--trace", action="store_true",
+                    help="--workload: each probed pass and the fp64 values' sweep, timed, on stderr (a device sync "
+                         "each)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--vocab", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -242,6 +246,9 @@ def main() -> None:
         print(json.dumps(measure(a.child, device, a.vocab)))
         return
     if a.workload:
+        if a.trace:
+            logging.basicConfig(stream=sys.stderr, format="[%(relativeCreated)8.0f ms] %(message)s")
+            logging.getLogger("reference_impl.truth").setLevel(logging.INFO)
         run_workload(a, device)
         return
 

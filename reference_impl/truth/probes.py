@@ -42,8 +42,11 @@ judged: every position's logprob, every gap, every routing decision of the seque
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import math
+import time
 
 import torch
 
@@ -56,6 +59,9 @@ from reference_impl.truth.probe_pass import keeping_layers
 __all__ = ["DEFAULT_PROBES", "PRECISIONS", "MAX_ROWS", "SCREEN_DISAGREEMENT", "Probe", "Probed", "f_tail",
            "joined_estimates", "keeping_layers", "probe_lambda", "probe_sequence", "probe_sequences", "route_outputs",
            "rows_budget", "screen_disagreement", "screen_lambda"]
+
+#: each probed pass and the fp64 values' sweep, timed (the device synchronised), at INFO: where a truth's time goes
+LOG = logging.getLogger("reference_impl.truth")
 
 #: probes per sequence: the bound is 16 % wider than with the exact variance (module docstring)
 DEFAULT_PROBES = 64
@@ -188,7 +194,10 @@ def _probe_sequences(truth, seqs, targets, probes, tp, seed, max_rows, dtype) ->
     by_length: dict[int, list[int]] = {}
     for i, s in enumerate(seqs):
         by_length.setdefault(len(s), []).append(i)
-    values = _values(truth, seqs, targets, by_length) if dtype != torch.float64 else {}
+    values = {}
+    if dtype != torch.float64:
+        with _timed(truth.device, lambda: f"fp64 values: {len(seqs)} sequences, {sum(map(len, seqs))} rows"):
+            values = _values(truth, seqs, targets, by_length)
     # an fp32 pass's values come from the unpadded fp64 forward: nearby lengths may share its passes, padded
     # (reference_impl/truth/pass_plan.py); an fp64 pass's values are its own: each length alone
     groups = (pass_plan.plan({t: len(i) for t, i in by_length.items()}, probes, max_rows) if values
@@ -199,9 +208,10 @@ def _probe_sequences(truth, seqs, targets, probes, tp, seed, max_rows, dtype) ->
             continue
         group = max(1, min(probes, max_rows // t))  # replicas per pass
         for i in idx:  # a long sequence: its replicas in groups, independent draws each (seeded apart)
-            parts = [probe_pass.run_pass(truth, [seqs[i]], [targets[i]], min(group, probes - lo), tp,
-                                         seed + 7919 * (lo // group + 1), dtype, [values[i]] if values else None)[0]
-                     for lo in range(0, probes, group)]
+            with _timed(truth.device, lambda: f"pass: 1 x {t} rows x {probes} probes ({group} per pass)"):
+                parts = [probe_pass.run_pass(truth, [seqs[i]], [targets[i]], min(group, probes - lo), tp,
+                                             seed + 7919 * (lo // group + 1), dtype, [values[i]] if values else None)[0]
+                         for lo in range(0, probes, group)]
             out[i] = _joined(parts)
     for t, lengths in sorted(groups):
         idx = [i for length in lengths for i in by_length[length]]
@@ -210,9 +220,27 @@ def _probe_sequences(truth, seqs, targets, probes, tp, seed, max_rows, dtype) ->
             part = idx[lo:lo + per]
             s_, t_ = [_padded(seqs[i], t) for i in part], [_padded(targets[i], t) for i in part]
             v_ = [_padded_values(values[i], t) for i in part] if values else None
-            for i, p in zip(part, probe_pass.run_pass(truth, s_, t_, probes, tp, seed, dtype, v_)):
+            with _timed(truth.device, lambda: f"pass: {len(part)} x {t} rows x {probes} probes (lengths "
+                                              f"{min(lengths)}-{max(lengths)})"):
+                passed = probe_pass.run_pass(truth, s_, t_, probes, tp, seed, dtype, v_)
+            for i, p in zip(part, passed):
                 out[i] = _trimmed(p, len(seqs[i]))
     return out
+
+
+@contextlib.contextmanager
+def _timed(device: torch.device, what):
+    """Log ``what()`` and the block's wall time at INFO (the device synchronised: costs a sync, so only when
+    enabled)."""
+    if not LOG.isEnabledFor(logging.INFO):
+        yield
+        return
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    yield
+    sync()
+    LOG.info("%.2f s  %s", time.perf_counter() - t0, what())
 
 
 def _padded(ids: list[int], length: int) -> list[int]:

@@ -2,6 +2,7 @@
 projection from what it measured, and one short run on the fixture end to end."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -49,12 +50,14 @@ def test_a_short_run_prints_its_table(tmp_path):
 @pytest.mark.integration
 def test_a_whole_run_does_every_sequence_in_one_call_per_weight_set():
     """``--chunk 0``: each weight set's sequences in one call (as the workload judge asks): every sequence done,
-    the projection is the measured time."""
+    the projection is the measured time; ``--trace`` times each probed pass and each values' sweep."""
     r = subprocess.run([sys.executable, "benchmarks/bench_truth.py", "--workload", "quick", "--chunk", "0",
-                        "--precision", "fp32"], cwd=REPO, capture_output=True, text=True, timeout=600)
+                        "--precision", "fp32", "--trace"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     cells = [c.strip() for c in r.stdout.strip().splitlines()[-1].split("|")[1:-1]]
     total, done = cells[3].split(" (")
     assert done == total + ")", cells  # every sequence
     assert f"{float(cells[8]):.0f}" == cells[10], cells  # projected = measured
     assert "weight set a" in r.stderr and "weight set b" in r.stderr
+    passes = re.findall(r"\] +[0-9.]+ s  pass: (\d+) x (\d+) rows x 8 probes", r.stderr)
+    assert passes and re.search(r"\] +[0-9.]+ s  fp64 values: \d+ sequences", r.stderr), r.stderr[-2000:]
