@@ -7,7 +7,7 @@ each store's draw and add by the CUDA kernel (``fp32-bf16-store-kernel``, ``TRUT
 default on CUDA; every other mode draws eagerly; the last column: the summed variance estimates against
 ``fp32-bf16``'s, other draws of the same distribution), each with the
 decoder layers kept between passes (``keeping_layers``; the first pass, which builds them, timed apart).
-Optionally the GPU time by kernel of one fp32 pass (``--profile``).
+Optionally the GPU time by kernel of one pass of a mode (``--profile``, ``--profile-mode``).
 
     python benchmarks/bench_probe_pass.py --checkpoint /tmp/m8b --device cuda --shapes 7x79,1x2047
 
@@ -47,7 +47,7 @@ def _profile(device: str, run, rows: int = 20) -> None:
 
 
 def measure(checkpoint: str, device: str, shapes: list[tuple[int, int]], probes: int, modes: list[str],
-            profile: int = 0, max_rows: int | None = None) -> list[dict]:
+            profile: int = 0, max_rows: int | None = None, profile_mode: str = "fp32-bf16") -> list[dict]:
     import reference_impl.truth.probe_pass as pass_
     import reference_impl.truth.probes as P
     from reference_impl.truth.golden import ExactModel
@@ -82,7 +82,7 @@ def measure(checkpoint: str, device: str, shapes: list[tuple[int, int]], probes:
                     times, res = wall_times(device, lambda: P.probe_sequences(model.truth, seqs, targets, probes,
                                                                           precision=precision, max_rows=max_rows))
                     estimate = float(sum(r.logprob_var.sum() for r in res))  # (the draws differ by mode)
-                    if profile and mode == "fp32-bf16":
+                    if profile and mode == profile_mode:
                         _profile(device, lambda: P.probe_sequences(model.truth, seqs, targets, probes,
                                                                    precision=precision, max_rows=max_rows), profile)
             peak = torch.cuda.max_memory_allocated() / 2 ** 30 if device.startswith("cuda") else float("nan")
@@ -115,7 +115,8 @@ def main() -> None:
     ap.add_argument("--probes", type=int, default=64)
     ap.add_argument("--modes", default="fp64,fp32-bf16,fp32-tf32")
     ap.add_argument("--profile", type=int, nargs="?", const=20, default=0, metavar="ROWS",
-                    help="also the time by kernel (and on CUDA by operator and shapes) of one fp32-bf16 pass")
+                    help="also the time by kernel (and on CUDA by operator and shapes) of one pass of --profile-mode")
+    ap.add_argument("--profile-mode", default="fp32-bf16", help="the mode --profile profiles (one of --modes)")
     ap.add_argument("--max-rows", type=int, default=None,
                     help="rows of one probed pass at most (default: reference_impl.truth.probes.rows_budget)")
     a = ap.parse_args()
@@ -127,7 +128,9 @@ def main() -> None:
         a.checkpoint = str(ensure_checkpoints() / "dense-nvfp4_awq-a")
     device = a.device or default_device()
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",") if s]
-    rows = measure(a.checkpoint, device, shapes, a.probes, a.modes.split(","), a.profile, a.max_rows)
+    if a.profile and a.profile_mode not in a.modes.split(","):
+        ap.error(f"--profile-mode {a.profile_mode}: not among --modes {a.modes}")
+    rows = measure(a.checkpoint, device, shapes, a.probes, a.modes.split(","), a.profile, a.max_rows, a.profile_mode)
     print(f"\n{a.checkpoint} on {device}, {a.probes} probes")
     print(table(rows))
 
