@@ -21,8 +21,8 @@ import torch
 
 #: normals per program: four blocks of BLOCK elements (one Philox call gives four)
 BLOCK = 1024
-#: rows (sequence x replica) one launch takes (the grid's second axis)
-MAX_ROWS = 65535
+#: sequences one launch takes (the grid's second axis; a program loops over a sequence's replicas)
+MAX_SEQUENCES = 65535
 #: the keys' offset: above every seed of the attention kernels (< 2^32), so no two kernels share a Philox stream
 KEY_BASE = 1 << 32
 
@@ -32,10 +32,10 @@ _broken: list[str] = []  # why the kernel failed to launch in this process (then
 
 def available(one: torch.Tensor, std: torch.Tensor, rows: int) -> bool:
     """Whether the kernel serves this store: not turned off (``TRUTH_STORE_KERNEL=0``), CUDA fp32, at most
-    :data:`MAX_ROWS` rows, Triton importable (only then imported: a CPU truth never needs it), no failed launch
+    :data:`MAX_SEQUENCES` sequences, Triton importable (only then imported: a CPU truth never needs it), no failed launch
     before."""
     if not (os.environ.get("TRUTH_STORE_KERNEL", "1") != "0" and one.is_cuda and one.dtype == torch.float32
-            and std.dtype == torch.float32 and rows <= MAX_ROWS and not _broken):
+            and std.dtype == torch.float32 and std.shape[0] <= MAX_SEQUENCES and not _broken):
         return False
     try:
         import triton  # noqa: F401
@@ -89,7 +89,7 @@ def draw_add(upstream: torch.Tensor | None, std: torch.Tensor, rows: int, dtype:
     out = torch.empty(rows, *std.shape[1:], dtype=dtype, device=std.device)
     if upstream is not None:
         upstream = upstream.reshape(out.shape).contiguous()
-    grid = (triton.cdiv(inner, 4 * BLOCK), rows)
+    grid = (triton.cdiv(inner, 4 * BLOCK), s_)
     store_kernel[grid](upstream if upstream is not None else std, std, out, key, inner, rows // s_,
                        HAS_UP=upstream is not None, BLOCK=BLOCK)
     return out

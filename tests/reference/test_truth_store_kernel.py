@@ -36,7 +36,7 @@ SCRIPT = textwrap.dedent('''
     # through the probes (the kernel made available on this CPU): a dense linear's store, weight term included
     from reference_impl.truth import probe_draws, store_kernel
     from reference_impl.truth.stores import store_std
-    store_kernel.available = lambda one, std, rows: one.dtype == torch.float32 and rows <= store_kernel.MAX_ROWS
+    store_kernel.available = lambda one, std, rows: one.dtype == torch.float32 and std.shape[0] <= store_kernel.MAX_SEQUENCES
     S2, K2, T, N, KIN = 2, 256, 3, 64, 32
     x, w = torch.randn(S2 * T, KIN, generator=g), torch.randn(N, KIN, generator=g)
     one = (x @ w.T).view(S2, T, N)
