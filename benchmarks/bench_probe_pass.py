@@ -119,7 +119,14 @@ def main() -> None:
     ap.add_argument("--profile-mode", default="fp32-bf16", help="the mode --profile profiles (one of --modes)")
     ap.add_argument("--max-rows", type=int, default=None,
                     help="rows of one probed pass at most (default: reference_impl.truth.probes.rows_budget)")
+    ap.add_argument("--keep-share", type=float, default=None,
+                    help="the share of the truth device's memory the kept fp32 layers may take (default: "
+                         "reference_impl/truth/probe_pass.py KEEP_SHARE)")
     a = ap.parse_args()
+    if a.keep_share is not None:
+        from reference_impl.truth import probe_pass
+
+        probe_pass.KEEP_SHARE = a.keep_share
     from reference_impl.truth.engine import default_device
 
     if a.checkpoint is None:

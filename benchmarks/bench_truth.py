@@ -238,7 +238,14 @@ def main() -> None:
                          "each)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--vocab", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--keep-share", type=float, default=None,
+                    help="the share of the truth device's memory the kept fp32 layers may take (default: "
+                         "reference_impl/truth/probe_pass.py KEEP_SHARE)")
     a = ap.parse_args()
+    if a.keep_share is not None:
+        from reference_impl.truth import probe_pass
+
+        probe_pass.KEEP_SHARE = a.keep_share
     from reference_impl.truth.engine import default_device
 
     device = a.device or default_device()

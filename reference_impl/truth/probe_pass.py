@@ -62,6 +62,9 @@ def run_pass(truth, seqs: list[list[int]], targets: list[list[int]], probes: int
 
 #: the memory a CPU truth device counts as for :func:`keeping_layers`' share
 CPU_MEMORY_BYTES = 8 << 30
+#: :func:`keeping_layers`' default share of the truth device's memory for the kept layers (benchmarks/
+#: bench_truth.py and bench_probe_pass.py ``--keep-share`` set it)
+KEEP_SHARE = 0.25
 
 
 @dataclass
@@ -75,11 +78,12 @@ class KeptLayers:
 
 
 @contextlib.contextmanager
-def keeping_layers(*truths, dtype: torch.dtype = torch.float32, share: float = 0.25):
+def keeping_layers(*truths, dtype: torch.dtype = torch.float32, share: float | None = None):
     """Probed passes in ``dtype`` inside this context reuse each decoder layer of each of ``truths`` built once (its
     weights decoded and cast once, not at every pass) while their parameters fit ``share`` of its truth device's
-    memory (a CPU counts as :data:`CPU_MEMORY_BYTES`); freed on exit. A workload's truth makes hundreds of
-    passes."""
+    memory (a CPU counts as :data:`CPU_MEMORY_BYTES`; None: :data:`KEEP_SHARE`); freed on exit. A workload's
+    truth makes hundreds of passes."""
+    share = KEEP_SHARE if share is None else share
     unique = list({id(t): t for t in truths}.values())
     for t in unique:
         memory = (torch.cuda.get_device_properties(t.device).total_memory if t.device.type == "cuda"
