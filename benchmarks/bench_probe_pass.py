@@ -4,7 +4,8 @@ tangent GEMMs (the default of ``fp32``) and with TF32 ones, with the dense MLP t
 hand (``fp32-bf16-fwad-mlp``; the speed column's baseline when fp64 is not run), with the probed attention by
 the CUDA kernels instead of eager passes (``fp32-bf16-attention-kernel``, ``TRUTH_ATTENTION_KERNEL=1``) and with
 each store's draw and add by the CUDA kernel (``fp32-bf16-store-kernel``, ``TRUTH_STORE_KERNEL=1``, the truth's
-default on CUDA; every other mode draws eagerly; the last column: the summed variance estimates against
+default on CUDA), and with the probed softmax's two stores fused as well (``fp32-bf16-softmax-kernel``,
+``TRUTH_SOFTMAX_KERNEL=1``); every other mode draws eagerly; the last column: the summed variance estimates against
 ``fp32-bf16``'s, other draws of the same distribution), each with the
 decoder layers kept between passes (``keeping_layers``; the first pass, which builds them, timed apart).
 Optionally the GPU time by kernel of one pass of a mode (``--profile``, ``--profile-mode``).
@@ -67,10 +68,12 @@ def measure(checkpoint: str, device: str, shapes: list[tuple[int, int]], probes:
                 precision, gemm = {"fp64": ("fp64", None), "fp32-bf16": ("fp32", torch.bfloat16),
                                    "fp32-tf32": ("fp32", None), "fp32-bf16-fwad-mlp": ("fp32", torch.bfloat16),
                                    "fp32-bf16-attention-kernel": ("fp32", torch.bfloat16),
-                                   "fp32-bf16-store-kernel": ("fp32", torch.bfloat16)}[mode]
+                                   "fp32-bf16-store-kernel": ("fp32", torch.bfloat16),
+                                   "fp32-bf16-softmax-kernel": ("fp32", torch.bfloat16)}[mode]
                 # the CUDA kernels (reference_impl/truth/attention_kernel.py, store_kernel.py) in their modes only
                 kernels = {"TRUTH_ATTENTION_KERNEL": "1" if mode.endswith("attention-kernel") else "0",
-                           "TRUTH_STORE_KERNEL": "1" if mode.endswith("store-kernel") else "0"}
+                           "TRUTH_STORE_KERNEL": "1" if mode.endswith(("store-kernel", "softmax-kernel")) else "0",
+                           "TRUTH_SOFTMAX_KERNEL": "1" if mode.endswith("softmax-kernel") else "0"}
                 pass_.TANGENT_GEMM = gemm
                 # fwad-mlp: the dense MLP through forward_ad, not by hand (what probe_pass._ProbedMLP saves)
                 pass_._plain_mlp = (lambda cls: False) if mode.endswith("fwad-mlp") else plain_mlp

@@ -92,12 +92,16 @@ def probed_attention_block(probe, query, key, value, causal, scaling, keys: int)
         s_, h_, tq, d_ = q1.shape
         q_each = (q1 * scaling)[:, None].expand(s_, k, h_, tq, d_).reshape(-1, tq, d_)
         st.view(-1, *st.shape[-2:]).baddbmm_(q_each, each(ktc).transpose(-1, -2).reshape(-1, d_, kt.shape[-2]))
-        st = each(probe.store_tangent("dot", scores, st, torch.matmul(q1.abs(), k1t.abs()) * scaling,
-                                      query.shape[-1]))
+        dot_info = torch.matmul(q1.abs(), k1t.abs()) * scaling
         p = F.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1, dtype=torch.float32).to(query.dtype)
-        st *= p[:, None]  # p t: the probabilities' tangent before their rounding, less p (sum p t)
-        mean = st.sum(-1, keepdim=True)  # sum p t
-        st = probe.store_tangent("round", p, st, None, 0)  # the probabilities' rounding, |p| = p
+        fused = probe.softmax_stores(scores, st, dot_info, query.shape[-1], p)  # CUDA: one pass over st
+        if fused is not None:
+            st, mean = fused[0].flatten(0, 1), fused[1]
+        else:
+            st = each(probe.store_tangent("dot", scores, st, dot_info, query.shape[-1]))
+            st *= p[:, None]  # p t: the probabilities' tangent before their rounding, less p (sum p t)
+            mean = st.sum(-1, keepdim=True)  # sum p t
+            st = probe.store_tangent("round", p, st, None, 0)  # the probabilities' rounding, |p| = p
         out = torch.matmul(p, v1)
         ot = torch.matmul(each(st), v1[:, None]) + torch.matmul(p[:, None], each(vt))
         ot -= mean * out[:, None]

@@ -104,6 +104,21 @@ class Probe:
             return self._tangent(kind, one, upstream, shape, info, n, reduced, self.replicas > 1,
                                  shared and self.replicas > 1, dtype)
 
+    def softmax_stores(self, scores: torch.Tensor, st: torch.Tensor, info: torch.Tensor, n: int,
+                       p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A probed softmax's two stores by :func:`reference_impl.truth.store_kernel.softmax_stores` (CUDA fp32):
+        ``st`` (``[S, K, ...]``, each sequence's replicas' tangents of ``scores``, overwritten) through the scores'
+        ``dot`` store (``info``, ``n`` as :meth:`store_tangent`'s), times ``p``, then the probabilities' ``round``
+        store: ``(that tangent, its sums over the last axis before the second store)``. The same distribution as
+        the three eager steps, other draws; None where the kernel does not serve (the caller's eager steps)."""
+        if self.replicas < 2 or not store_kernel.softmax_available(scores, scores.shape[0]):
+            return None
+        with torch.no_grad():
+            std, _ = store_std("dot", scores, info, n, False, self.tp)
+            round_std, _ = store_std("round", torch.ones((), dtype=p.dtype), None, 0, False, self.tp)
+            mean = store_kernel.softmax_stores(st, p, std, float(round_std), self._keys(scores.device))
+        return None if mean is None else (st, mean)
+
     def _tangent(self, kind, one, upstream, shape, info, n, reduced, batched, shared, dtype=None) -> torch.Tensor:
         std, operands = store_std(kind, one, info, n, reduced, self.tp)
         noise = None

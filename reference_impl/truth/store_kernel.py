@@ -93,3 +93,51 @@ def draw_add(upstream: torch.Tensor | None, std: torch.Tensor, rows: int, dtype:
     store_kernel[grid](upstream if upstream is not None else std, std, out, key, inner, rows // s_,
                        HAS_UP=upstream is not None, BLOCK=BLOCK)
     return out
+
+
+#: a softmax row tile's elements (replicas x columns): its registers
+SOFTMAX_TILE = 2048
+
+
+def softmax_available(scores: torch.Tensor, sequences: int) -> bool:
+    """Whether :func:`softmax_stores` serves a probed softmax: turned on (``TRUTH_SOFTMAX_KERNEL=1``: off by
+    default until measured on a GPU) and the store kernel's conditions."""
+    return os.environ.get("TRUTH_SOFTMAX_KERNEL") == "1" and available(scores, scores, sequences)
+
+
+def softmax_stores(st: torch.Tensor, p: torch.Tensor, std: torch.Tensor, u_round: float,
+                   key: int) -> torch.Tensor | None:
+    """A probed softmax's two stores in one pass over the replicas' ``T^2`` tangents: with ``st [S, K, ...]``
+    the scores' tangents (overwritten), ``p`` and ``std`` ``[S, ...]`` the probabilities and the scores' store's
+    standard deviation, ``st <- p (st + std z1) + u_round p z2`` and the returned ``sum_j p (st + std z1)`` over
+    the last axis (``[S, K, ..., 1]``). What the eager path makes in five passes (the scores' store, ``p t``, its
+    sum, the probabilities' store). None where the kernel fails to launch (warned once, as :func:`try_draw_add`)."""
+    try:
+        return _softmax_stores(st, p, std, u_round, key)
+    except ValueError:
+        raise
+    except Exception as exc:  # Triton's compile and launch errors have no common type
+        _broken.append(f"{type(exc).__name__}: {exc}")
+        warnings.warn(f"the truth's store kernel failed to launch, eager draws from now on: {_broken[0]}",
+                      RuntimeWarning, stacklevel=2)
+        return None
+
+
+def _softmax_stores(st, p, std, u_round, key):
+    import triton
+
+    from reference_impl.truth._store_triton import softmax_stores_kernel
+
+    s_, k = st.shape[:2]
+    if p.shape != std.shape or p.shape != (s_, *st.shape[2:]) or not st.is_contiguous():
+        raise ValueError(f"tangents {tuple(st.shape)} (contiguous) against probabilities {tuple(p.shape)} and "
+                         f"std {tuple(std.shape)}")
+    tk = st.shape[-1]
+    rows_per_seq = p[0].numel() // tk
+    p, std = p.contiguous(), std.contiguous()
+    mean = torch.empty(*st.shape[:-1], 1, dtype=st.dtype, device=st.device)
+    kp = triton.next_power_of_2(k)
+    block = max(16, SOFTMAX_TILE // kp)
+    softmax_stores_kernel[(s_ * rows_per_seq,)](st, p, std, mean, key, tk, rows_per_seq, k, u_round, KP=kp,
+                                                BLOCK=block)
+    return mean
