@@ -63,14 +63,20 @@ class Keys:
 def try_draw_add(upstream: torch.Tensor | None, std: torch.Tensor, rows: int, dtype: torch.dtype,
                  key: int) -> torch.Tensor | None:
     """:func:`draw_add`, or None where the kernel fails to launch (warned once; the caller draws eagerly)."""
+    return _guarded(draw_add, upstream, std, rows, dtype, key)
+
+
+def _guarded(launch, *args):
+    """``launch(*args)``, or None where a kernel fails to launch: warned once, and no kernel of this module is
+    tried again in the process (:func:`available`); a ValueError (a caller's mistake) is raised."""
     try:
-        return draw_add(upstream, std, rows, dtype, key)
+        return launch(*args)
     except ValueError:
         raise
     except Exception as exc:  # Triton's compile and launch errors have no common type
         _broken.append(f"{type(exc).__name__}: {exc}")
         warnings.warn(f"the truth's store kernel failed to launch, eager draws from now on: {_broken[0]}",
-                      RuntimeWarning, stacklevel=2)
+                      RuntimeWarning, stacklevel=3)
         return None
 
 
@@ -112,15 +118,7 @@ def softmax_stores(st: torch.Tensor, p: torch.Tensor, std: torch.Tensor, u_round
     standard deviation, ``st <- p (st + std z1) + u_round p z2`` and the returned ``sum_j p (st + std z1)`` over
     the last axis (``[S, K, ..., 1]``). What the eager path makes in five passes (the scores' store, ``p t``, its
     sum, the probabilities' store). None where the kernel fails to launch (warned once, as :func:`try_draw_add`)."""
-    try:
-        return _softmax_stores(st, p, std, u_round, key)
-    except ValueError:
-        raise
-    except Exception as exc:  # Triton's compile and launch errors have no common type
-        _broken.append(f"{type(exc).__name__}: {exc}")
-        warnings.warn(f"the truth's store kernel failed to launch, eager draws from now on: {_broken[0]}",
-                      RuntimeWarning, stacklevel=2)
-        return None
+    return _guarded(_softmax_stores, st, p, std, u_round, key)
 
 
 def _softmax_stores(st, p, std, u_round, key):

@@ -6,16 +6,13 @@ property caught by the same check; through the probed attention, the output tang
 model's."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.reference.triton_interpreter import run_script
+
 S, K, ROWS, TK, U = 2, 5, 200, 1100, 1.0  # K = 5: a tile's replica lanes partly masked; TK over several tiles
 
 SCRIPT = textwrap.dedent('''
@@ -101,13 +98,7 @@ def check_softmax(st: torch.Tensor, p: torch.Tensor, std: torch.Tensor, u: float
 
 @pytest.fixture(scope="module")
 def drawn(tmp_path_factory) -> dict:
-    pytest.importorskip("triton")
-    if os.environ.get("NVFP4_SKIP_TRITON_INTERPRETER") == "1":
-        pytest.skip("disabled by environment")
-    path = tmp_path_factory.mktemp("softmax") / "drawn.pt"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    subprocess.run([sys.executable, "-c", SCRIPT, str(path), str(S), str(K), str(ROWS), str(TK), str(U)],
-                   check=True, env=env, cwd=REPO, timeout=600)
+    path = run_script(SCRIPT, tmp_path_factory.mktemp("softmax") / "drawn.pt", S, K, ROWS, TK, U)
     return {**torch.load(path), "attention": torch.load(str(path) + ".attention")}
 
 

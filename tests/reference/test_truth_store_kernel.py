@@ -4,19 +4,15 @@ its own replicas, the draws' moments and independence (between replicas, neighbo
 bounds; mutants of each property caught by the same check."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 from reference_impl.truth import store_kernel
 from reference_impl.truth.stores import U_BF16
+from tests.reference.triton_interpreter import run_script
 
-REPO = Path(__file__).resolve().parents[2]
 S, K, INNER = 3, 4, 5003  # 5003: not a multiple of a program's 4 x 1024 elements (the masks)
 
 SCRIPT = textwrap.dedent('''
@@ -83,13 +79,7 @@ def check_draws(out: torch.Tensor, upstream: torch.Tensor | None, std: torch.Ten
 
 @pytest.fixture(scope="module")
 def drawn(tmp_path_factory) -> dict:
-    pytest.importorskip("triton")
-    if os.environ.get("NVFP4_SKIP_TRITON_INTERPRETER") == "1":
-        pytest.skip("disabled by environment")
-    path = tmp_path_factory.mktemp("store") / "drawn.pt"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    subprocess.run([sys.executable, "-c", SCRIPT, str(path), str(S), str(K), str(INNER)], check=True, env=env,
-                   cwd=REPO, timeout=300)
+    path = run_script(SCRIPT, tmp_path_factory.mktemp("store") / "drawn.pt", S, K, INNER)
     return {**torch.load(path), "linear": torch.load(str(path) + ".linear")}
 
 
