@@ -10,7 +10,9 @@ The draws are not the eager path's numbers: the same distribution (Box-Muller ov
 call from :class:`Keys`, the counter the element's position). On by default on CUDA (``TRUTH_STORE_KERNEL=0``
 turns it off): on one H100 (docs/truth.md) `standard`'s truth on the 8B shape took 163.2 s with it against 173.2 s
 without, in the same session, at 2.3 GiB less peak memory; its draws passed the same checks as under Triton's CPU
-interpreter (tests/reference/test_truth_store_kernel.py). A kernel that fails to launch (a Triton that cannot
+interpreter (tests/reference/test_truth_store_kernel.py). (Those figures are the kernel's first version, one
+program per replica row; it now reads a sequence's ``std`` once for all its replicas, the same numbers bit for
+bit, not yet timed on a GPU.) A kernel that fails to launch (a Triton that cannot
 compile it) warns once and leaves the eager path for the rest of the process."""
 from __future__ import annotations
 
