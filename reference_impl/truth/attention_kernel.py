@@ -12,10 +12,10 @@ computes in eager passes over ``[S, K, H, Tq, Tk]`` tensors (a long prefill's co
   store (``round``: ``U p z2``) and the products with ``v`` and ``vt``, accumulated in registers.
 
 The output's own store (``dot`` over the sequence's keys) is the eager one (:meth:`Probe.store_tangent`). The
-draws are Triton's Philox normals, seeded from the probe's generator (one seed per call; one stream per sequence,
-head and replica), not the eager path's: the same distribution, other numbers. fp32 products run in TF32, as the
-eager path's on CUDA, but the scores that feed the softmax: in :attr:`KernelConfig.scores`' precision, the same in
-both kernels.
+draws are Triton's Philox normals, keyed by the probe's keys (a block per call, one stream per sequence, head
+and replica, consecutive keys: no key is another kernel's), not the eager path's: the same distribution, other
+numbers. fp32 products run in TF32, as the eager path's on CUDA, but the scores that feed the softmax: in
+:attr:`KernelConfig.scores`' precision, the same in both kernels.
 
 Off unless ``TRUTH_ATTENTION_KERNEL=1``: their arithmetic and draws are checked under Triton's CPU interpreter
 and on a GPU (tests/reference/test_truth_attention_kernel.py), but in their first configuration they were slower

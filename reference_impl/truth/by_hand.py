@@ -125,8 +125,8 @@ def probed_attention_kernel(probe, query, key, value, scaling, keys: int):
     from reference_impl.truth.stores import U_ACCUM, U_BF16
 
     (q1, k1, v1), (qt, kt, vt) = _attention_operands(probe, query, key, value)
-    gen = probe.generator
-    seed = int(torch.randint(0, 2 ** 30, (1,), generator=gen, device=gen.device if gen is not None else q1.device))
+    # one Philox stream per sequence, head and replica: a block of the probe's keys (no device read per call)
+    seed = probe.keys(q1.device, q1.shape[0] * q1.shape[1] * probe.replicas)
     with torch.no_grad():
         out, pav, ot = attention_kernel.probed_attention(q1, k1, v1, qt, kt, vt, scaling, U_BF16,
                                                          U_ACCUM * (query.shape[-1] + 2), seed)

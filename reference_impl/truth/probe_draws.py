@@ -44,7 +44,8 @@ class Probe:
         self.generator = generator
         #: the dtype of the tangents' GEMMs (None: the primal's); see :data:`reference_impl.truth.probe_pass.TANGENT_GEMM`
         self.gemm_dtype: torch.dtype | None = None
-        self._keys = store_kernel.Keys(generator)  # the store kernel's (CUDA only)
+        #: the CUDA kernels' Philox keys (store_kernel.py, attention_kernel.py): drawn once, counted up
+        self.keys = store_kernel.Keys(generator)
 
     def replicated(self, x: torch.Tensor) -> bool:
         """Whether ``x`` is laid out ``[sequences x replicas, ...]`` (sequence s, replica k at ``s * replicas +
@@ -116,7 +117,7 @@ class Probe:
         with torch.no_grad():
             std, _ = store_std("dot", scores, info, n, False, self.tp)
             round_std, _ = store_std("round", torch.ones((), dtype=p.dtype), None, 0, False, self.tp)
-            mean = store_kernel.softmax_stores(st, p, std, float(round_std), self._keys(scores.device))
+            mean = store_kernel.softmax_stores(st, p, std, float(round_std), self.keys(scores.device))
         return None if mean is None else (st, mean)
 
     def _tangent(self, kind, one, upstream, shape, info, n, reduced, batched, shared, dtype=None) -> torch.Tensor:
@@ -124,7 +125,7 @@ class Probe:
         noise = None
         if std.shape == one.shape and store_kernel.available(one, std, shape[0]):
             # the draw and add in one pass (CUDA fp32; same distribution, other numbers); None: eager after all
-            noise = store_kernel.try_draw_add(upstream, std, shape[0], dtype or one.dtype, self._keys(one.device))
+            noise = store_kernel.try_draw_add(upstream, std, shape[0], dtype or one.dtype, self.keys(one.device))
         if noise is None:
             noise = self._draw_add(one, upstream, std, shape, batched, dtype)
         noise = noise.view(shape)

@@ -25,7 +25,7 @@ import torch
 BLOCK = 1024
 #: sequences one launch takes (the grid's second axis; a program loops over a sequence's replicas)
 MAX_SEQUENCES = 65535
-#: the keys' offset: above every seed of the attention kernels (< 2^32), so no two kernels share a Philox stream
+#: the keys' offset (the first key of a pass is KEY_BASE plus a draw below 2^30)
 KEY_BASE = 1 << 32
 
 
@@ -53,12 +53,13 @@ class Keys:
     def __init__(self, generator: torch.Generator | None):
         self.generator, self.next = generator, None
 
-    def __call__(self, device: torch.device) -> int:
-        """The next key; the first drawn on ``generator``'s device, or on ``device`` (the default generator's)."""
+    def __call__(self, device: torch.device, count: int = 1) -> int:
+        """The next key, or the first of the next ``count`` consecutive ones (a kernel whose streams are
+        ``key + i``); the first drawn on ``generator``'s device, or on ``device`` (the default generator's)."""
         if self.next is None:
             dev = self.generator.device if self.generator is not None else device
             self.next = KEY_BASE + int(torch.randint(0, 2 ** 30, (1,), generator=self.generator, device=dev))
-        key, self.next = self.next, self.next + 1
+        key, self.next = self.next, self.next + count
         return key
 
 

@@ -66,6 +66,19 @@ SCRIPT = textwrap.dedent('''
         # rows 1..23, independent (within a row the draws are shared); row 0 has one key: no scores term at all
         rows = (emp / var).mean(-1)[0, 0, 1:]
         print(label, float(rows.mean()), float(rows.min()), float(rows.max()))
+    # through the probes (by_hand.probed_attention_kernel): a block of the probe's keys per call, one per
+    # sequence, head and replica, no generator draw of its own
+    import torch.autograd.forward_ad as fwAD
+    from reference_impl.truth import by_hand, probe_draws, store_kernel
+    probe = probe_draws.Probe(4, 24, generator=torch.Generator(device=DEVICE).manual_seed(3), sequences=1)
+    with fwAD.dual_level():
+        duals = [probe.join(x, torch.randn(4, 1, 24, D, generator=g)) for x in (q, k, v)]
+        first = probe.keys(q.device)
+        ot = fwAD.unpack_dual(by_hand.probed_attention_kernel(probe, *duals, SCALE, 24)).tangent
+    # after the block of 1 sequence x 1 head x 4 replicas, the output store's key where the store kernel runs (CUDA)
+    assert bool(torch.isfinite(ot).all()) and probe.keys.next == first + 1 + 4 + (DEVICE == "cuda"), \
+        probe.keys.next - first
+    assert first >= store_kernel.KEY_BASE
     print("ok")
 ''')
 
