@@ -112,7 +112,7 @@ class Probe:
         ``dot`` store (``info``, ``n`` as :meth:`store_tangent`'s), times ``p``, then the probabilities' ``round``
         store: ``(that tangent, its sums over the last axis before the second store)``. The same distribution as
         the three eager steps, other draws; None where the kernel does not serve (the caller's eager steps)."""
-        if self.replicas < 2 or not store_kernel.softmax_available(scores, scores.shape[0]):
+        if self.replicas < 2 or not store_kernel.softmax_available(scores):
             return None
         with torch.no_grad():
             std, _ = store_std("dot", scores, info, n, False, self.tp)
@@ -123,7 +123,7 @@ class Probe:
     def _tangent(self, kind, one, upstream, shape, info, n, reduced, batched, shared, dtype=None) -> torch.Tensor:
         std, operands = store_std(kind, one, info, n, reduced, self.tp)
         noise = None
-        if std.shape == one.shape and store_kernel.available(one, std, shape[0]):
+        if std.shape == one.shape and store_kernel.available(one, std):
             # the draw and add in one pass (CUDA fp32; same distribution, other numbers); None: eager after all
             noise = store_kernel.try_draw_add(upstream, std, shape[0], dtype or one.dtype, self.keys(one.device))
         if noise is None:

@@ -32,10 +32,10 @@ KEY_BASE = 1 << 32
 _broken: list[str] = []  # why the kernel failed to launch in this process (then never tried again)
 
 
-def available(one: torch.Tensor, std: torch.Tensor, rows: int) -> bool:
-    """Whether the kernel serves this store: not turned off (``TRUTH_STORE_KERNEL=0``), CUDA fp32, at most
-    :data:`MAX_SEQUENCES` sequences, Triton importable (only then imported: a CPU truth never needs it), no failed launch
-    before."""
+def available(one: torch.Tensor, std: torch.Tensor) -> bool:
+    """Whether the kernel serves a store of ``one`` with ``std`` (``[S, ...]``, per sequence): not turned off
+    (``TRUTH_STORE_KERNEL=0``), CUDA fp32, at most :data:`MAX_SEQUENCES` sequences, Triton importable (only then
+    imported: a CPU truth never needs it), no failed launch before."""
     if not (os.environ.get("TRUTH_STORE_KERNEL", "1") != "0" and one.is_cuda and one.dtype == torch.float32
             and std.dtype == torch.float32 and std.shape[0] <= MAX_SEQUENCES and not _broken):
         return False
@@ -108,10 +108,10 @@ def draw_add(upstream: torch.Tensor | None, std: torch.Tensor, rows: int, dtype:
 SOFTMAX_TILE = 2048
 
 
-def softmax_available(scores: torch.Tensor, sequences: int) -> bool:
+def softmax_available(scores: torch.Tensor) -> bool:
     """Whether :func:`softmax_stores` serves a probed softmax: turned on (``TRUTH_SOFTMAX_KERNEL=1``: off by
     default until measured on a GPU) and the store kernel's conditions."""
-    return os.environ.get("TRUTH_SOFTMAX_KERNEL") == "1" and available(scores, scores, sequences)
+    return os.environ.get("TRUTH_SOFTMAX_KERNEL") == "1" and available(scores, scores)
 
 
 def softmax_stores(st: torch.Tensor, p: torch.Tensor, std: torch.Tensor, u_round: float,

@@ -11,6 +11,7 @@ import textwrap
 import pytest
 import torch
 
+from reference_impl.truth import store_kernel
 from tests.reference.triton_interpreter import run_script
 
 S, K, ROWS, TK, U = 2, 5, 200, 1100, 1.0  # K = 5: a tile's replica lanes partly masked; TK over several tiles
@@ -37,7 +38,7 @@ SCRIPT = textwrap.dedent('''
     # through the probed attention (the kernel made available on this CPU): zero input tangents, 240 replicas
     from reference_impl.truth import by_hand, probe_draws
     from reference_impl.truth.stores import U_ACCUM, U_BF16
-    store_kernel.available = lambda one, std, rows: one.dtype == torch.float32
+    store_kernel.available = lambda one, std: one.dtype == torch.float32
     os.environ["TRUTH_SOFTMAX_KERNEL"] = "1"
     reps, d, t, scale = 240, 16, 24, 0.25
     q, k, v = (torch.randn(1, 1, t, d, generator=g) for _ in range(3))
@@ -81,7 +82,7 @@ def check_softmax(st: torch.Tensor, p: torch.Tensor, std: torch.Tensor, u: float
             problems.append(f"tangent noise fourth moment {float(x.pow(4).mean()):.4f}")
     zl = z[..., :-7].double()  # the live keys
     pairs = {"replicas": (zl[:, 0], zl[:, 1]), "neighbours": (zl[..., :-1], zl[..., 1:])}
-    half = 2048 // 8  # the kernel's tile: BLOCK columns at K = 5 (8 lanes)
+    half = store_kernel.SOFTMAX_TILE // 8  # the kernel's tile: BLOCK columns at K = 5 (8 lanes)
     pairs["a tile's two halves"] = (zl[..., :half], zl[..., half:2 * half])
     for name, (a, b) in pairs.items():
         corr = float((a * b).mean())
@@ -169,21 +170,17 @@ def test_through_the_probed_attention_the_model_variance(drawn) -> None:
 
 
 def test_off_where_turned_off(monkeypatch) -> None:
-    from reference_impl.truth import store_kernel
-
     one = torch.zeros(2, 3)
     monkeypatch.setenv("TRUTH_SOFTMAX_KERNEL", "1")
-    assert not store_kernel.softmax_available(one, 2)  # a CPU tensor
-    monkeypatch.setattr(store_kernel, "available", lambda one, std, rows: True)
-    assert store_kernel.softmax_available(one, 2)
+    assert not store_kernel.softmax_available(one)  # a CPU tensor
+    monkeypatch.setattr(store_kernel, "available", lambda one, std: True)
+    assert store_kernel.softmax_available(one)
     monkeypatch.setenv("TRUTH_SOFTMAX_KERNEL", "0")
-    assert not store_kernel.softmax_available(one, 2)
+    assert not store_kernel.softmax_available(one)
 
 
 def gpu_problems() -> list[str]:
     """The compiled kernel's draws on this process's CUDA device, by :func:`check_softmax`."""
-    from reference_impl.truth import store_kernel
-
     g = torch.Generator(device="cuda").manual_seed(0)
     st = torch.randn(S, K, ROWS, TK, generator=g, device="cuda")
     p = torch.rand(S, ROWS, TK, generator=g, device="cuda")

@@ -32,7 +32,7 @@ SCRIPT = textwrap.dedent('''
     # through the probes (the kernel made available on this CPU): a dense linear's store, weight term included
     from reference_impl.truth import probe_draws, store_kernel
     from reference_impl.truth.stores import store_std
-    store_kernel.available = lambda one, std, rows: one.dtype == torch.float32 and std.shape[0] <= store_kernel.MAX_SEQUENCES
+    store_kernel.available = lambda one, std: one.dtype == torch.float32 and std.shape[0] <= store_kernel.MAX_SEQUENCES
     S2, K2, T, N, KIN = 2, 256, 3, 64, 32
     x, w = torch.randn(S2 * T, KIN, generator=g), torch.randn(N, KIN, generator=g)
     one = (x @ w.T).view(S2, T, N)
@@ -126,11 +126,11 @@ def test_the_check_catches(drawn, mutant: str) -> None:
 def test_the_kernel_is_off_on_a_cpu_and_where_turned_off(monkeypatch) -> None:
     one = torch.zeros(2, 3)
     monkeypatch.delenv("TRUTH_STORE_KERNEL", raising=False)
-    assert not store_kernel.available(one, one, 2)  # a CPU tensor, whatever the switch
+    assert not store_kernel.available(one, one)  # a CPU tensor, whatever the switch
     if torch.cuda.is_available():
         gpu = one.cuda()
         monkeypatch.setenv("TRUTH_STORE_KERNEL", "0")
-        assert not store_kernel.available(gpu, gpu, 2)
+        assert not store_kernel.available(gpu, gpu)
 
 
 def test_a_kernel_that_fails_to_launch_leaves_eager_draws(monkeypatch) -> None:
@@ -142,7 +142,7 @@ def test_a_kernel_that_fails_to_launch_leaves_eager_draws(monkeypatch) -> None:
         raise RuntimeError("PTX assembly failed")
     monkeypatch.setattr(store_kernel, "_broken", [])
     monkeypatch.setattr(store_kernel, "draw_add", fails)
-    monkeypatch.setattr(store_kernel, "available", lambda one, std, rows: not store_kernel._broken)
+    monkeypatch.setattr(store_kernel, "available", lambda one, std: not store_kernel._broken)
     probe = probe_draws.Probe(4, 3, generator=torch.Generator().manual_seed(0), sequences=2)
     one, up = torch.rand(2, 3, 5) + 1, torch.zeros(8, 3, 5)
     with pytest.warns(RuntimeWarning, match="PTX assembly failed"):
